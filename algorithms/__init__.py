@@ -1,0 +1,1 @@
+"""Sync algorithms: one file, one class, one YAML in conf/sync/ each."""

@@ -1,0 +1,83 @@
+"""Synchronous data parallelism with PyTorch DDP.
+
+PyTorch Distributed: Experiences on Accelerating Data Parallel Training (Li et al., VLDB 2020,
+arXiv 2006.15704). Every rank computes gradients on its own batch; DDP averages them with ring allreduce in
+buckets while backward is still running, so every replica takes the identical optimizer step. This is the
+baseline every other algorithm is measured against. Bytes are counted by a DDP comm hook that delegates to
+DDP's default allreduce, so the numbers are those of stock DDP.
+"""
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from algorithms.base import SyncAlgorithm, SyncContext, SyncReport
+from algorithms.comm import Communicator, tensor_bytes
+
+
+class _HookState:
+    """What the comm hook needs: the communicator and when this rank's last bucket became ready."""
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+        self.last_ready: float | None = None  # perf_counter() when the last bucket of this backward was handed over
+
+    def __getstate__(self):  # DDP may pickle hook state; the communicator is process-local
+        return {}
+
+
+def counted_allreduce_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    # No `from __future__ import annotations` in this file: DDP checks this signature at registration.
+    """DDP's default allreduce (average), counted by the Communicator."""
+    start = time.perf_counter()
+    state.last_ready = start
+    nbytes = tensor_bytes(bucket.buffer())
+    fut = default_hooks.allreduce_hook(state.comm.group, bucket)
+
+    def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        state.comm.record_allreduce(nbytes, time.perf_counter() - start)
+        return f.value()
+
+    return fut.then(done)
+
+
+class AllReduce(SyncAlgorithm):
+    """Gradient averaging by DDP every step."""
+
+    name = "allreduce"
+
+    def __init__(self, bucket_cap_mb: float = 25.0):
+        self.bucket_cap_mb = bucket_cap_mb
+
+    @classmethod
+    def validate(cls, cfg: dict[str, Any], world_size: int) -> None:
+        from engine.config import ConfigError
+
+        if not cfg["sync"]["bucket_cap_mb"] > 0:
+            raise ConfigError("sync.bucket_cap_mb", cfg["sync"]["bucket_cap_mb"], "a number of MiB > 0")
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: SyncContext) -> nn.Module:
+        super().setup(model, optimizer, ctx)
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        # Buffers (BN statistics) are averaged before eval and checkpoints instead of being broadcast from
+        # rank 0 at every forward: that traffic would not be gradient exchange and DDP's hook cannot count it.
+        self.ddp = DistributedDataParallel(
+            model,
+            device_ids=device_ids,
+            process_group=ctx.comm.group,
+            bucket_cap_mb=self.bucket_cap_mb,
+            forward_sync_buffers=False,
+            gradient_as_bucket_view=True,
+        )
+        self._hook_state = _HookState(ctx.comm)
+        self.ddp.register_comm_hook(self._hook_state, counted_allreduce_hook)
+        return self.ddp
+
+    def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
+        # The gradients were averaged before unscaling, so every rank's verdict is the same.
+        return SyncReport(grads_finite=grads_finite, compute_end=self._hook_state.last_ready)

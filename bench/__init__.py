@@ -1,0 +1,1 @@
+"""Benchmarks (`make bench`); results are recorded in BENCHMARKS.md."""

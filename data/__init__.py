@@ -1,0 +1,1 @@
+"""Datasets: digits (bundled real data), synthetic, imagefolder (ImageNet layout), cifar10 (local)."""

@@ -1,0 +1,112 @@
+"""What every dataset builder returns, and the samplers and loaders built on it."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+# Keys of conf/data/*.yaml that configure loaders rather than the dataset.
+LOADER_KEYS = ("_target_", "batch_size", "num_workers")
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    image_size: int
+    channels: int = 3
+
+
+def build_data(cfg_data: dict[str, Any]) -> DataBundle:
+    module_name, fn_name = cfg_data["_target_"].rsplit(".", 1)
+    fn = getattr(importlib.import_module(module_name), fn_name)
+    return fn(**{k: v for k, v in cfg_data.items() if k not in LOADER_KEYS})
+
+
+def validate_data(cfg_data: dict[str, Any]) -> None:
+    from engine.config import ConfigError
+
+    bs = cfg_data.get("batch_size")
+    if not (isinstance(bs, int) and not isinstance(bs, bool) and bs >= 1):
+        raise ConfigError("data.batch_size", bs, "an integer >= 1 (samples per process)")
+    nw = cfg_data.get("num_workers")
+    if not (isinstance(nw, int) and not isinstance(nw, bool) and nw >= 0):
+        raise ConfigError("data.num_workers", nw, "an integer >= 0")
+    module_name = cfg_data["_target_"].rsplit(".", 1)[0]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError("data._target_", cfg_data["_target_"], f"an importable builder ({exc})") from exc
+    if hasattr(module, "validate"):
+        module.validate(cfg_data)
+
+
+class ShardSampler(Sampler[int]):
+    """Rank ``index`` of ``num_shards`` gets indices ``index, index + num_shards, ...``: no padding, so every
+    sample is evaluated exactly once over all ranks (DistributedSampler pads with repeats)."""
+
+    def __init__(self, length: int, num_shards: int, index: int):
+        self.indices = list(range(index, length, num_shards))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class TrainSampler(DistributedSampler):
+    """DistributedSampler that can start part-way through an epoch (resume from a mid-epoch checkpoint)."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
+        self.start = 0
+
+    def skip(self, num_samples: int) -> None:
+        """Skip the first ``num_samples`` of this rank's shard in the next epoch only."""
+        self.start = num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())[self.start :]
+        self.start = 0
+        return iter(indices)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
+def train_loader(
+    dataset: Dataset, batch_size: int, num_workers: int, num_replicas: int, rank: int, seed: int
+) -> DataLoader:
+    sampler = TrainSampler(dataset, num_replicas=num_replicas, rank=rank, seed=seed)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        drop_last=True,  # every step has a full batch on every rank
+        persistent_workers=num_workers > 0,
+        pin_memory=torch.cuda.is_available(),
+    )
+
+
+def val_loader(dataset: Dataset, batch_size: int, num_workers: int, num_replicas: int, rank: int) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=ShardSampler(len(dataset), num_replicas, rank),
+        num_workers=num_workers,
+        drop_last=False,
+    )
+
+
+def steps_per_epoch(num_train: int, num_replicas: int, batch_size: int) -> int:
+    """Optimizer steps per epoch: DistributedSampler's per-rank shard, full batches only."""
+    return math.ceil(num_train / num_replicas) // batch_size

@@ -1,0 +1,1 @@
+"""The trainer: launch, loop, AMP, metrics, checkpoints. Free of algorithm-specific branches."""

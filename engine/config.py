@@ -1,0 +1,159 @@
+"""Validate the whole config once, in the launcher, before any worker starts.
+
+Every error names the key, the value and what is allowed, in one line.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hydra.utils import get_class
+
+SCHEDULES = ("cosine", "poly", "step")
+OPTIMIZERS = ("sgd", "momentum", "lars")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A bad config value: ``key=value: expected ...``."""
+
+    def __init__(self, key: str, value: Any, allowed: str):
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key}={value!r}: expected {allowed}")
+
+
+def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(key, value, allowed)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def to_plain(cfg: Any) -> dict[str, Any]:
+    """Resolve a composed DictConfig into a plain dict; a required (``???``) key left unset is an error."""
+    from omegaconf import OmegaConf
+
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(missing[0], "???", "a value: this key is required (set it on the command line)")
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain.pop("hydra", None)
+    return plain
+
+
+def prepare(cfg: Any) -> dict[str, Any]:
+    """Resolve and validate a composed config; the one place a config becomes what workers receive."""
+    plain = to_plain(cfg)
+    validate(plain)
+    return plain
+
+
+def world_size_of(cfg: dict[str, Any]) -> int:
+    """The number of worker processes this run will have."""
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return cfg["trainer"]["nproc"]
+
+
+def validate(cfg: dict[str, Any]) -> None:
+    """Raise :class:`ConfigError` on the first bad value of a resolved config (a plain dict)."""
+    t = cfg["trainer"]
+    _check(_is_int(t["nproc"]) and t["nproc"] >= 1, "trainer.nproc", t["nproc"], "an integer >= 1")
+    _check(_is_int(t["epochs"]) and t["epochs"] >= 1, "trainer.epochs", t["epochs"], "an integer >= 1")
+    for key in ("max_steps", "max_epochs_per_run"):
+        v = t[key]
+        _check(v is None or (_is_int(v) and v >= 1), f"trainer.{key}", v, "null or an integer >= 1")
+    _check(_is_int(t["threads"]) and t["threads"] >= 1, "trainer.threads", t["threads"], "an integer >= 1")
+    _check(t["device"] in DEVICES, "trainer.device", t["device"], f"one of {', '.join(DEVICES)}")
+    if t["device"] == "cuda":
+        import torch
+
+        _check(torch.cuda.is_available(), "trainer.device", t["device"], "auto or cpu: no CUDA device here")
+    for key in ("eval_every", "log_every"):
+        _check(_is_int(t[key]) and t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1")
+    ce = t["checkpoint_every"]
+    _check(_is_int(ce) and ce >= 0, "trainer.checkpoint_every", ce, "an integer >= 0 (0: final only)")
+    _check(_is_num(t["timeout_s"]) and t["timeout_s"] > 0, "trainer.timeout_s", t["timeout_s"], "seconds > 0")
+    resume = t["resume"]
+    if resume not in (None, "auto"):
+        _check(
+            isinstance(resume, str) and os.path.isfile(resume),
+            "trainer.resume",
+            resume,
+            "null, auto, or the path of an existing checkpoint file",
+        )
+
+    _validate_optimizer(cfg["optimizer"])
+    _validate_schedule(cfg["schedule"])
+    _validate_model(cfg["model"])
+    for group in ("data", "amp", "logger", "sync"):
+        target = cfg[group].get("_target_")
+        _check(isinstance(target, str), f"{group}._target_", target, "a class or function path")
+        try:
+            obj = get_class(target) if group != "data" else None
+        except Exception as exc:  # noqa: BLE001 - report any import failure as a config error
+            raise ConfigError(f"{group}._target_", target, f"an importable class ({exc})") from exc
+        if obj is not None and hasattr(obj, "validate"):
+            if group == "sync":
+                obj.validate(cfg, world_size_of(cfg))
+            else:
+                obj.validate(cfg[group])
+    from data.common import validate_data
+
+    validate_data(cfg["data"])
+
+
+def _validate_optimizer(o: dict[str, Any]) -> None:
+    _check(o["name"] in OPTIMIZERS, "optimizer.name", o["name"], f"one of {', '.join(OPTIMIZERS)}")
+    _check(_is_num(o["lr"]) and o["lr"] > 0, "optimizer.lr", o["lr"], "a learning rate > 0")
+    wd = o["weight_decay"]
+    _check(_is_num(wd) and wd >= 0, "optimizer.weight_decay", wd, "a number >= 0")
+    m = o["momentum"]
+    _check(_is_num(m) and 0 <= m < 1, "optimizer.momentum", m, "a number in [0, 1)")
+    if o["name"] == "momentum":
+        _check(m > 0, "optimizer.momentum", m, "a number in (0, 1) for optimizer=momentum (or use optimizer=sgd)")
+    tc = o["trust_coeff"]
+    _check(_is_num(tc) and tc > 0, "optimizer.trust_coeff", tc, "a number > 0")
+
+
+def _validate_schedule(s: dict[str, Any]) -> None:
+    _check(s["name"] in SCHEDULES, "schedule.name", s["name"], f"one of {', '.join(SCHEDULES)}")
+    w = s["warmup_epochs"]
+    _check(_is_num(w) and w >= 0, "schedule.warmup_epochs", w, "a number of epochs >= 0")
+    f = s["warmup_start_factor"]
+    _check(_is_num(f) and 0 <= f <= 1, "schedule.warmup_start_factor", f, "a number in [0, 1]")
+    f = s["min_lr_factor"]
+    _check(_is_num(f) and 0 <= f <= 1, "schedule.min_lr_factor", f, "a number in [0, 1]")
+    _check(_is_num(s["power"]) and s["power"] > 0, "schedule.power", s["power"], "a number > 0")
+    g = s["gamma"]
+    _check(_is_num(g) and 0 < g <= 1, "schedule.gamma", g, "a number in (0, 1]")
+    ms = s["milestones"]
+    _check(
+        isinstance(ms, list) and all(_is_int(m) and m > 0 for m in ms) and ms == sorted(ms),
+        "schedule.milestones",
+        ms,
+        "an increasing list of epochs > 0",
+    )
+    b = s["base_batch_size"]
+    _check(_is_int(b) and b >= 1, "schedule.base_batch_size", b, "an integer >= 1")
+
+
+def _validate_model(m: dict[str, Any]) -> None:
+    import timm
+
+    name = m["name"]
+    _check(
+        isinstance(name, str) and timm.is_model(name),
+        "model.name",
+        name,
+        "a timm model name (see timm.list_models(), e.g. resnet50, resnet18, test_resnet, test_vit)",
+    )
+    d = m["drop_rate"]
+    _check(_is_num(d) and 0 <= d < 1, "model.drop_rate", d, "a number in [0, 1)")

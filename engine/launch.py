@@ -1,0 +1,44 @@
+"""Start the workers: local ones through torch's elastic launcher (torchrun's machinery), or run as one worker
+when an external launcher (torchrun, Slurm) already started this process."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from engine.loop import run_worker
+
+
+def under_external_launcher(env: os._Environ | dict = os.environ) -> bool:
+    """torchrun and Slurm-with-env set RANK and WORLD_SIZE for every worker they start."""
+    return "RANK" in env and "WORLD_SIZE" in env
+
+
+def external_run_dir(env: os._Environ | dict = os.environ) -> str:
+    """A run dir every rank of an externally launched job agrees on without talking."""
+    run_id = env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "default"
+    return os.path.join("outputs", "torchrun", run_id)
+
+
+def launch(cfg: dict[str, Any], run_dir: str, entrypoint: Callable[..., Any] = run_worker) -> dict[str, Any] | None:
+    """Run ``entrypoint(cfg, run_dir)`` in ``trainer.nproc`` local worker processes; return the summary of
+    the logging rank. Raises ``ChildFailedError`` (with the worker's traceback) if any worker fails; the agent
+    then stops the others, so a failure never hangs."""
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg["trainer"]["nproc"],
+        run_id=f"relaxsync-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # a free port: concurrent runs do not collide
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    results = elastic_launch(config, entrypoint)(cfg, run_dir)
+    summaries = [results[r] for r in sorted(results) if results[r] is not None]
+    return summaries[0] if summaries else None

@@ -1,0 +1,1 @@
+"""Model factory (timm)."""

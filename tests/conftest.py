@@ -1,0 +1,88 @@
+"""Shared helpers: compose configs exactly as users do, and run real multi-process jobs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = ROOT / "conf"
+# Small and fast on 2 CPU cores: a tiny timm model, no W&B, no progress bar.
+FAST = ["model=test_resnet", "data=synthetic", "logger=none", "trainer.progress=false"]
+
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def plain_cfg(*overrides: str) -> dict:
+    from engine.config import prepare
+
+    return prepare(compose_cfg(*overrides))
+
+
+def train(run_dir: Path, *overrides: str, entrypoint=None) -> tuple[dict | None, list[dict]]:
+    """Launch a real job (elastic launcher, gloo) in-process; return (summary, metrics records)."""
+    from engine.launch import launch
+    from engine.metrics import read_metrics
+
+    cfg = plain_cfg(*overrides)
+    kwargs = {"entrypoint": entrypoint} if entrypoint else {}
+    summary = launch(cfg, str(run_dir), **kwargs)
+    path = run_dir / "metrics.jsonl"
+    return summary, (read_metrics(str(path)) if path.exists() else [])
+
+
+def load_model_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    from engine.checkpoint import load
+
+    return load(str(run_dir / "checkpoints" / "last.pt"))["model"]
+
+
+def run_cli(*args: str, cwd: Path = ROOT, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python train.py ARGS`` as a user runs it."""
+    env = dict(os.environ, WANDB_SILENT="true", HYDRA_FULL_ERROR="0")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def records(metrics: list[dict], kind: str) -> list[dict]:
+    return [r for r in metrics if r["kind"] == kind]
+
+
+@pytest.fixture
+def digits_imagefolder(tmp_path: Path) -> Path:
+    """A real ImageNet-layout folder: digits written as PNGs, 12 train and 4 val images per class."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    root = tmp_path / "digits_if"
+    counts: dict[tuple[str, int], int] = {}
+    for image, label in zip(digits.images, digits.target):
+        for split, limit in (("train", 12), ("val", 4)):
+            if counts.get((split, label), 0) < limit:
+                counts[(split, label)] = counts.get((split, label), 0) + 1
+                folder = root / split / f"class_{label}"
+                folder.mkdir(parents=True, exist_ok=True)
+                pixels = (image * 255 / 16).astype("uint8")
+                Image.fromarray(pixels).convert("RGB").save(folder / f"{len(list(folder.iterdir()))}.png")
+                break
+    return root

@@ -1,0 +1,104 @@
+"""Every option of every config group composes and validates; bad input fails early with a clear message."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import CONF_DIR, compose_cfg, plain_cfg, run_cli
+
+from engine.config import ConfigError, prepare
+
+GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
+
+
+def _fill_required(group: str, option: str, tmp_path: Path, digits_imagefolder: Path) -> list[str]:
+    if (group, option) == ("data", "imagefolder"):
+        return [f"data.root={digits_imagefolder}"]
+    if (group, option) == ("data", "cifar10"):
+        (tmp_path / "cifar-10-batches-py").mkdir()
+        return [f"data.root={tmp_path}"]
+    return []
+
+
+def test_every_group_has_options():
+    assert {"model", "optimizer", "schedule", "amp", "sync", "data", "logger"} <= set(GROUPS)
+    assert len(OPTIONS) >= 20
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes_and_validates(group, option, tmp_path, digits_imagefolder):
+    overrides = [f"{group}={option}", *_fill_required(group, option, tmp_path, digits_imagefolder)]
+    cfg = compose_cfg(*overrides)
+    if (group, option) == ("amp", "apex"):
+        from engine.amp import probe_apex
+
+        if probe_apex() is not None:  # the usual case: no NVIDIA apex or no CUDA here
+            with pytest.raises(ConfigError, match="amp='apex'"):
+                prepare(cfg)
+            return
+    plain = prepare(cfg)
+    assert "hydra" not in plain
+    if group in ("model", "optimizer", "schedule", "sync", "amp", "data", "logger"):
+        assert plain[group]  # the option put its keys in
+
+
+BAD = [
+    (["trainer.nproc=0"], "trainer.nproc", "0", "an integer >= 1"),
+    (["optimizer.lr=-0.1"], "optimizer.lr", "-0.1", "a learning rate > 0"),
+    (["data.batch_size=0"], "data.batch_size", "0", "an integer >= 1"),
+    (["model.name=resnet_does_not_exist"], "model.name", "resnet_does_not_exist", "a timm model name"),
+    (["amp=apex"], "amp", "apex", "NVIDIA apex"),
+    (["data=imagefolder"], "data.root", "???", "this key is required"),
+    (["data=imagefolder", "data.root=/no/such/folder"], "data.root", "/no/such/folder", "an existing directory"),
+    (["data=cifar10", "data.root=/no/such/folder"], "data.root", "/no/such/folder", "cifar-10-batches-py"),
+    (["trainer.device=tpu"], "trainer.device", "tpu", "one of auto, cpu, cuda"),
+    (["trainer.resume=/no/such.pt"], "trainer.resume", "/no/such.pt", "an existing checkpoint file"),
+    (["optimizer=momentum", "optimizer.momentum=1.5"], "optimizer.momentum", "1.5", "[0, 1)"),
+    (["schedule.name=linear"], "schedule.name", "linear", "one of cosine, poly, step"),
+    (["amp=torch", "amp.dtype=float8"], "amp.dtype", "float8", "one of auto, bfloat16, float16"),
+    (["logger.mode=sometimes"], "logger.mode", "sometimes", "one of offline, online, disabled"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,value,allowed", BAD, ids=[b[0][-1] for b in BAD])
+def test_bad_input_names_key_value_and_allowed(overrides, key, value, allowed):
+    from engine.amp import probe_apex
+
+    if overrides == ["amp=apex"] and probe_apex() is None:
+        pytest.skip("NVIDIA apex with CUDA is installed here, so amp=apex is valid")
+    with pytest.raises(ConfigError) as info:
+        plain_cfg(*overrides)
+    message = str(info.value)
+    assert message.startswith(f"{key}=")
+    assert value in message
+    assert allowed in message
+    assert "\n" not in message
+
+
+def test_bad_value_stops_before_any_worker(tmp_path):
+    result = run_cli("trainer.nproc=0", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == ["error: trainer.nproc=0: expected an integer >= 1"]
+    assert "relaxsync:" not in result.stdout  # the worker banner never printed
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_unknown_group_option_lists_the_options(tmp_path):
+    result = run_cli("sync=nope", f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0
+    assert "Could not find 'sync/nope'" in result.stderr
+    assert re.search(r"Available options:\s+allreduce", result.stderr)
+
+
+def test_apex_error_says_what_is_missing_and_suggests_torch():
+    from engine.amp import probe_apex
+
+    missing = probe_apex()
+    if missing is None:
+        pytest.skip("NVIDIA apex with CUDA is installed here")
+    assert "amp=torch" in missing
+    assert any(word in missing for word in ("not installed", "apex.amp", "CUDA"))

@@ -1,0 +1,224 @@
+"""Single-process unit tests: schedule, samplers, checkpoints, AMP backends, metric names, LARS groups."""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+from conftest import plain_cfg
+
+from data.common import ShardSampler, TrainSampler, steps_per_epoch
+from engine import checkpoint as ckpt
+from engine.amp import ApexAmp, TorchAmp, probe_apex
+from engine.metrics import wandb_keys
+from engine.optim import LRSchedule, build_optimizer, effective_lr
+
+
+def _sched(name: str, **kw) -> LRSchedule:
+    cfg = plain_cfg(f"schedule={name}")["schedule"]
+    cfg.update(kw)
+    return LRSchedule(cfg, base_lr=1.0, steps_per_epoch=10, total_steps=100)
+
+
+def test_warmup_is_linear_then_cosine_reaches_floor():
+    s = _sched("cosine", warmup_epochs=1, warmup_start_factor=0.1, min_lr_factor=0.0)
+    assert s.lr(0) == pytest.approx(0.1)
+    assert s.lr(5) == pytest.approx(0.55)
+    assert s.lr(10) == pytest.approx(1.0)
+    assert s.lr(55) == pytest.approx(0.5)  # halfway through the decay
+    assert s.lr(100) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_poly_and_step_schedules():
+    poly = _sched("poly", warmup_epochs=0, power=2.0, min_lr_factor=0.0)
+    assert poly.lr(50) == pytest.approx(0.25)
+    step = _sched("step", warmup_epochs=0, milestones=[3, 6], gamma=0.1)
+    assert [step.lr(s) for s in (29, 30, 59, 60)] == pytest.approx([1.0, 0.1, 0.1, 0.01])
+
+
+def test_scale_lr_is_the_linear_scaling_rule():
+    cfg = plain_cfg("schedule.scale_lr=true", "schedule.base_batch_size=256", "optimizer.lr=0.1")
+    assert effective_lr(cfg["optimizer"], cfg["schedule"], global_batch=512) == pytest.approx(0.2)
+    cfg = plain_cfg("optimizer.lr=0.1")
+    assert effective_lr(cfg["optimizer"], cfg["schedule"], global_batch=512) == pytest.approx(0.1)
+
+
+def test_shard_sampler_covers_every_sample_exactly_once():
+    for n, shards in ((10, 3), (359, 2), (5, 4), (3, 4)):
+        seen = sorted(i for r in range(shards) for i in ShardSampler(n, shards, r))
+        assert seen == list(range(n))
+
+
+def test_train_sampler_skip_resumes_mid_epoch():
+    data = list(range(20))
+    full = TrainSampler(data, num_replicas=2, rank=1, seed=3)
+    full.set_epoch(4)
+    order = list(full)
+    part = TrainSampler(data, num_replicas=2, rank=1, seed=3)
+    part.set_epoch(4)
+    part.skip(4)
+    assert list(part) == order[4:]
+    assert list(part) == order  # the skip applies to one epoch only
+    assert steps_per_epoch(1438, 2, 32) == 719 // 32
+
+
+def test_atomic_save_leaves_old_checkpoint_intact_on_failure(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    ckpt.save_atomic({"step": 1, "w": torch.ones(3)}, str(path))
+
+    def broken_save(obj, f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save_atomic({"step": 2}, str(path))
+    monkeypatch.undo()
+    assert ckpt.load(str(path))["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # no temporary file left behind
+
+
+def test_checkpoint_loads_with_weights_only(tmp_path):
+    path = tmp_path / "c.pt"
+    ckpt.save_atomic({"config": {"a": [1, 2]}, "t": torch.zeros(2)}, str(path))
+    assert ckpt.load(str(path))["config"] == {"a": [1, 2]}
+    torch.save({"evil": types.SimpleNamespace()}, str(path))
+    with pytest.raises(Exception, match="[Ww]eights only"):
+        ckpt.load(str(path))
+
+
+def test_resolve_resume(tmp_path):
+    assert ckpt.resolve_resume(None, str(tmp_path)) is None
+    assert ckpt.resolve_resume("auto", str(tmp_path)) is None  # nothing to resume yet
+    ckpt.save_atomic({}, str(tmp_path / "checkpoints" / "last.pt"))
+    assert ckpt.resolve_resume("auto", str(tmp_path)).endswith("checkpoints/last.pt")
+
+
+def test_wandb_key_names_follow_the_metrics_contract():
+    rec = {"kind": "train", "step": 3, "loss": 1.5, "bytes_sent": 8.0, "comm_s": 0.1, "tag": "x"}
+    assert wandb_keys(rec) == {"train/step": 3, "train/loss": 1.5, "comm/bytes_sent": 8.0, "comm/comm_s": 0.1}
+    assert wandb_keys({"kind": "eval", "top1": 50.0}) == {"eval/top1": 50.0}
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+
+
+def test_torch_amp_autocasts_to_bfloat16_on_cpu():
+    model = _tiny()
+    amp = TorchAmp(dtype="auto", scaler="auto")
+    amp.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
+    assert amp.dtype == torch.bfloat16
+    assert not amp.scaler.is_enabled()  # bf16 needs no loss scaling
+    with amp.autocast():
+        assert model[0](torch.randn(2, 4)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("local_inf", [True, False], ids=["own-overflow", "other-rank-overflow"])
+def test_overflow_step_is_skipped_and_scale_backs_off(local_inf):
+    model = _tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = TorchAmp(dtype="bfloat16", scaler=True, init_scale=1024.0)
+    amp.setup(model, opt, torch.device("cpu"))
+    before = [p.detach().clone() for p in model.parameters()]
+    amp.backward(model(torch.randn(8, 4)).sum(), opt)
+    if local_inf:
+        next(model.parameters()).grad[0, 0] = float("inf")
+    finite = amp.unscale(opt)
+    assert finite is (not local_inf)
+    assert amp.step(opt, grads_finite=False) is False  # the agreed verdict: some rank overflowed
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert amp.loss_scale == 512.0
+
+
+def test_finite_step_with_scaler_updates_parameters():
+    model = _tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = TorchAmp(dtype="bfloat16", scaler=True, init_scale=1024.0)
+    amp.setup(model, opt, torch.device("cpu"))
+    before = [p.detach().clone() for p in model.parameters()]
+    amp.backward(model(torch.randn(8, 4)).sum(), opt)
+    assert amp.unscale(opt) is True
+    grads = [p.grad.clone() for p in model.parameters()]
+    assert amp.step(opt, grads_finite=True) is True
+    for b, g, p in zip(before, grads, model.parameters()):
+        torch.testing.assert_close(p.detach(), b - 0.1 * g)  # gradients were unscaled before the step
+
+
+def test_apex_backend_drives_apex_amp(monkeypatch):
+    """The apex code path with a stand-in apex.amp (real apex needs CUDA): initialize, scale_loss, state."""
+    calls = []
+
+    class FakeScaler:
+        _has_overflow = False
+
+    class FakeAmp(types.ModuleType):
+        _amp_state = types.SimpleNamespace(loss_scalers=[FakeScaler()])
+
+        def initialize(self, model, optimizer, opt_level, loss_scale, verbosity):
+            calls.append(("initialize", opt_level, loss_scale))
+            return model, optimizer
+
+        class scale_loss:
+            def __init__(self, loss, optimizer):
+                self.loss = loss
+
+            def __enter__(self):
+                calls.append(("scale_loss",))
+                return self.loss * 128.0
+
+            def __exit__(self, *exc):
+                return False
+
+        def state_dict(self):
+            return {"loss_scaler0": {"loss_scale": 128.0}}
+
+    fake_apex = types.ModuleType("apex")
+    fake_apex.amp = FakeAmp("apex.amp")
+    monkeypatch.setitem(sys.modules, "apex", fake_apex)
+    monkeypatch.setitem(sys.modules, "apex.amp", fake_apex.amp)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert probe_apex() is None
+    ApexAmp.validate({"opt_level": "O2", "loss_scale": "dynamic"})
+
+    model = _tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = ApexAmp(opt_level="O2")
+    amp.setup(model, opt, torch.device("cpu"))
+    amp.backward(model(torch.randn(4, 4)).sum(), opt)
+    assert amp.unscale(opt) is True
+    assert amp.step(opt, True) is True
+    assert calls[:2] == [("initialize", "O2", "dynamic"), ("scale_loss",)]
+    assert amp.state_dict() == {"apex_amp": {"loss_scaler0": {"loss_scale": 128.0}}}
+
+
+def test_probe_apex_rejects_the_unrelated_pypi_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "apex", types.ModuleType("apex"))  # no apex.amp inside
+    monkeypatch.delitem(sys.modules, "apex.amp", raising=False)
+    message = probe_apex()
+    assert "apex.amp" in message and "amp=torch" in message
+
+
+def test_lars_exempts_bias_and_norm_from_decay_and_adaptation():
+    import timm
+
+    model = timm.create_model("test_resnet", num_classes=10)
+    cfg = plain_cfg("optimizer=lars")["optimizer"]
+    opt = build_optimizer(model, cfg, lr=1.0)
+    assert type(opt).__name__ == "Lars"
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    for name, p in model.named_parameters():
+        assert (id(p) in decayed) == (p.ndim > 1), name
+    assert all(g["trust_coeff"] == cfg["trust_coeff"] for g in opt.param_groups)
+
+
+def test_plain_sgd_has_no_momentum():
+    model = torch.nn.Linear(3, 1)
+    opt = build_optimizer(model, plain_cfg("optimizer=sgd")["optimizer"], lr=0.5)
+    assert all(g["momentum"] == 0 and not g["nesterov"] for g in opt.param_groups)
+    opt = build_optimizer(model, plain_cfg("optimizer=momentum")["optimizer"], lr=0.5)
+    assert all(math.isclose(g["momentum"], 0.9) for g in opt.param_groups)

@@ -1,0 +1,71 @@
+"""Train an image classifier data-parallel; the sync algorithm is a config group.
+
+    python train.py sync=allreduce                   # 2 local workers on the defaults (README)
+    python train.py -m sync=allreduce optimizer=sgd,lars
+    torchrun --nnodes 2 --nproc-per-node 4 ... train.py trainer.epochs=90   # external launcher
+
+The config is composed and validated once, here, before any worker starts; workers get a plain dict.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from engine.config import ConfigError, prepare
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
+
+
+def fail(error: Exception) -> None:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    """Launch local workers; return the final validation top-1 (what sweepers optimize)."""
+    from hydra.core.hydra_config import HydraConfig
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from engine.launch import launch
+
+    try:
+        plain = prepare(cfg)
+    except ConfigError as error:
+        fail(error)
+    run_dir = plain["trainer"]["run_dir"] or HydraConfig.get().runtime.output_dir
+    try:
+        summary = launch(plain, run_dir)
+    except ChildFailedError as error:
+        print(error.format_msg(), file=sys.stderr)
+        sys.exit(1)
+    return summary["top1"] if summary else None
+
+
+def worker_main(argv: list[str]) -> None:
+    """Under torchrun/Slurm: compose the same config without Hydra's per-process output dirs, then train."""
+    from hydra import compose, initialize_config_dir
+
+    from engine.launch import external_run_dir
+    from engine.loop import run_worker
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=argv)
+    try:
+        plain = prepare(cfg)
+    except ConfigError as error:
+        fail(error)
+    run_worker(plain, plain["trainer"]["run_dir"] or external_run_dir())
+
+
+if __name__ == "__main__":
+    from engine.launch import under_external_launcher
+
+    if under_external_launcher():
+        worker_main(sys.argv[1:])
+    else:
+        main()
