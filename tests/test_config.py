@@ -91,7 +91,7 @@ def test_unknown_group_option_lists_the_options(tmp_path):
     result = run_cli("sync=nope", f"hydra.run.dir={tmp_path}")
     assert result.returncode != 0
     assert "Could not find 'sync/nope'" in result.stderr
-    assert re.search(r"Available options:\s+allreduce", result.stderr)
+    assert re.search(r"Available options in .sync.:\s+allreduce", result.stderr)
 
 
 def test_apex_error_says_what_is_missing_and_suggests_torch():
