@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -25,6 +26,16 @@ from engine.launch import launch
 from engine.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
 def config(args: argparse.Namespace) -> dict:
@@ -101,7 +112,7 @@ def main() -> None:
     result = {
         "benchmark": "overhead",
         "command": f"python -m bench.overhead --runs {args.runs} --steps {args.steps} --model {args.model}",
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads/proc max, {platform.processor() or 'cpu'}",
+        "machine": machine(),
         "model": args.model,
         "image_size": args.image_size,
         "batch_size_per_proc": args.batch_size,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, load_model_state, records, run_cli, train
+from conftest import FAST, ROOT, load_model_state, records, run_cli, train
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from engine.metrics import read_metrics
@@ -166,3 +166,69 @@ def test_optuna_sweep_receives_final_top1(tmp_path):
     top1 = [records(read_metrics(str(tmp_path / j / "metrics.jsonl")), "summary")[0]["top1"] for j in ("0", "1")]
     best = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())["best_value"]
     assert best == pytest.approx(max(top1))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [str(Path(sys.executable).with_name("torchrun")), *args]
+
+
+def test_runs_as_a_worker_under_torchrun(tmp_path):
+    import os
+
+    cmd = _torchrun("--standalone", "--nproc-per-node", "2", "train.py", *FAST, "trainer.max_steps=3")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run(
+        [*cmd, f"trainer.run_dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = records(read_metrics(str(tmp_path / "metrics.jsonl")), "train")
+    assert len(steps) == 3 and all(r["world_size"] == 2 for r in steps)
+
+
+def test_two_node_torchrun_rendezvous_on_localhost(tmp_path):
+    """Two torchrun agents (one per 'node') meeting at a c10d rendezvous endpoint: the multi-node path."""
+    import os
+
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    procs = [
+        subprocess.Popen(
+            _torchrun(
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(node),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "two-node-test",
+                "train.py",
+                *FAST,
+                "trainer.max_steps=3",
+                f"trainer.run_dir={tmp_path}",
+            ),
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for node in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    steps = records(read_metrics(str(tmp_path / "metrics.jsonl")), "train")
+    assert len(steps) == 3 and all(r["world_size"] == 2 for r in steps)
+    assert steps[0]["bytes_sent"] == 4 * TEST_RESNET_PARAMS
