@@ -55,14 +55,27 @@ class AllReduce(SyncAlgorithm):
         self.bucket_cap_mb = bucket_cap_mb
 
     @classmethod
-    def validate(cls, cfg: dict[str, Any], world_size: int) -> None:
+    def validate(cls, sync_cfg: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
         from engine.config import ConfigError
 
-        if not cfg["sync"]["bucket_cap_mb"] > 0:
-            raise ConfigError("sync.bucket_cap_mb", cfg["sync"]["bucket_cap_mb"], "a number of MiB > 0")
+        if not sync_cfg["bucket_cap_mb"] > 0:
+            raise ConfigError("sync.bucket_cap_mb", sync_cfg["bucket_cap_mb"], "a number of MiB > 0")
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: SyncContext) -> nn.Module:
         super().setup(model, optimizer, ctx)
+        self.module = self._wrap(model)
+        return self.module
+
+    def on_membership_change(self) -> None:
+        # DDP is bound to one process group: wrap the same module again over the new group (the survivors'
+        # parameters are identical, so the constructor's broadcast changes nothing).
+        for p in self.model.parameters():
+            p.grad = None  # the old reducer's bucket views
+        del self.ddp
+        self.module = self._wrap(self.model)
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        ctx = self.ctx
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # Buffers (BN statistics) are averaged before eval and checkpoints instead of being broadcast from
         # rank 0 at every forward: that traffic would not be gradient exchange and DDP's hook cannot count it.

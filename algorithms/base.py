@@ -12,8 +12,13 @@ algorithm it runs. Per optimizer step::
     report += sync.after_optimizer_step(step)
     schedule.step(); logger.log(report ...)
 
-plus ``on_epoch_start(epoch)`` before each epoch, ``before_eval()`` before each evaluation and checkpoint,
-and ``finalize()`` once at the end.
+plus ``on_epoch_start(epoch)`` before each epoch (before its loaders are iterated), ``before_eval()`` before
+each evaluation and checkpoint, and ``finalize()`` once at the end. The trainer runs the forward pass through
+``sync.module`` (read at every step), so an algorithm may rewrap the model, e.g. after the group changed.
+
+Membership: ``ctx.membership`` holds the active ranks and their group. An algorithm that changes it (relaxed
+sync) calls ``on_membership_change()`` on the algorithm it wraps, so that one rebinds to the new group. A rank
+that is no longer active stops training at the next hook boundary, writes nothing more and exits 0.
 
 Overflow steps (AMP with dynamic loss scaling): ``grads_finite`` is this rank's own verdict on its unscaled
 gradients. Every rank must take the same branch, so an algorithm that communicates gradients returns in
@@ -30,6 +35,7 @@ cannot know: ``events`` and algorithm-specific ``extra`` metrics.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,7 +77,10 @@ class SyncContext:
     comm: Any  # algorithms.comm.Communicator over the active group
     membership: Any  # algorithms.membership.Membership
     device: torch.device
-    trainer: Any = None  # engine.loop.Trainer, for algorithms that rebuild loaders or rescale the LR
+    # Rebuild the data loaders over the active ranks: (train=True) both, (train=False) the val loader only.
+    rebuild_loaders: Callable[[bool], None] = lambda train: None
+    # Multiply the scheduled learning rate by this factor from now on.
+    set_lr_scale: Callable[[float], None] = lambda scale: None
 
 
 class SyncAlgorithm:
@@ -85,15 +94,22 @@ class SyncAlgorithm:
     name: str = "base"
 
     @classmethod
-    def validate(cls, cfg: dict[str, Any], world_size: int) -> None:
-        """Raise ``ConfigError`` for bad options before any worker starts. ``cfg`` is the whole config."""
+    def validate(cls, sync_cfg: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        """Raise ``ConfigError`` for bad options before any worker starts.
+
+        ``sync_cfg`` is this algorithm's own section (``sync`` or ``sync.inner``), ``cfg`` the whole config.
+        """
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: SyncContext) -> nn.Module:
-        """Return the module to train (possibly wrapped, e.g. in DDP)."""
+        """Return the module to train (possibly wrapped, e.g. in DDP); also kept as ``self.module``."""
         self.ctx = ctx
         self.model = model
         self.optimizer = optimizer
+        self.module = model
         return model
+
+    def on_membership_change(self) -> None:
+        """The active group changed (``ctx.membership``); rebind whatever holds the old group."""
 
     def on_epoch_start(self, epoch: int) -> SyncReport:
         return SyncReport()

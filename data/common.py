@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import importlib
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 # Keys of conf/data/*.yaml that configure loaders rather than the dataset.
 LOADER_KEYS = ("_target_", "batch_size", "num_workers")
@@ -62,30 +61,43 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-class TrainSampler(DistributedSampler):
-    """DistributedSampler that can start part-way through an epoch (resume from a mid-epoch checkpoint)."""
+class TrainSampler(Sampler[int]):
+    """Shuffled shards that partition the dataset: every sample is in exactly one rank's shard (no padding
+    duplicates, unlike DistributedSampler). The permutation depends only on ``seed`` and the epoch, so the
+    shards of any number of ranks interleave the same order: rank ``i`` of ``n`` gets ``perm[i::n]``.
 
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
-        self.start = 0
+    Shards differ in length by at most one; the trainer runs the same number of full batches on every rank
+    (:func:`steps_per_epoch`). ``skip`` starts part-way through an epoch (resume from a mid-epoch checkpoint).
+    """
+
+    def __init__(self, length: int, num_replicas: int, rank: int, seed: int):
+        self.length, self.num_replicas, self.rank, self.seed = length, num_replicas, rank, seed
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def skip(self, num_samples: int) -> None:
         """Skip the first ``num_samples`` of this rank's shard in the next epoch only."""
         self.start = num_samples
 
+    def shard(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.length, generator=g)[self.rank :: self.num_replicas].tolist()
+
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())[self.start :]
+        indices = self.shard()[self.start :]
         self.start = 0
         return iter(indices)
 
     def __len__(self) -> int:
-        return self.num_samples - self.start
+        return len(range(self.rank, self.length, self.num_replicas)) - self.start
 
 
 def train_loader(
     dataset: Dataset, batch_size: int, num_workers: int, num_replicas: int, rank: int, seed: int
 ) -> DataLoader:
-    sampler = TrainSampler(dataset, num_replicas=num_replicas, rank=rank, seed=seed)
+    sampler = TrainSampler(len(dataset), num_replicas=num_replicas, rank=rank, seed=seed)
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -108,5 +120,5 @@ def val_loader(dataset: Dataset, batch_size: int, num_workers: int, num_replicas
 
 
 def steps_per_epoch(num_train: int, num_replicas: int, batch_size: int) -> int:
-    """Optimizer steps per epoch: DistributedSampler's per-rank shard, full batches only."""
-    return math.ceil(num_train / num_replicas) // batch_size
+    """Optimizer steps per epoch, the same on every rank: full batches of the smallest shard."""
+    return (num_train // num_replicas) // batch_size

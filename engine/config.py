@@ -93,7 +93,7 @@ def validate(cfg: dict[str, Any]) -> None:
     _validate_optimizer(cfg["optimizer"])
     _validate_schedule(cfg["schedule"])
     _validate_model(cfg["model"])
-    for group in ("data", "amp", "logger", "sync"):
+    for group in ("data", "amp", "logger", "sync", "straggler"):
         target = cfg[group].get("_target_")
         _check(isinstance(target, str), f"{group}._target_", target, "a class or function path")
         try:
@@ -102,7 +102,9 @@ def validate(cfg: dict[str, Any]) -> None:
             raise ConfigError(f"{group}._target_", target, f"an importable class ({exc})") from exc
         if obj is not None and hasattr(obj, "validate"):
             if group == "sync":
-                obj.validate(cfg, world_size_of(cfg))
+                obj.validate(cfg["sync"], cfg, world_size_of(cfg))
+            elif group == "straggler":
+                obj.validate(cfg["straggler"], world_size_of(cfg))
             else:
                 obj.validate(cfg[group])
     from data.common import validate_data

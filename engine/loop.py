@@ -6,6 +6,8 @@ Nothing here depends on which sync algorithm runs; see ``algorithms/base.py`` fo
 from __future__ import annotations
 
 import datetime
+import itertools
+import json
 import os
 import sys
 import time
@@ -65,12 +67,12 @@ class Trainer:
                 f"data.batch_size={self.batch_size}: larger than a rank's shard "
                 f"({len(self.data.train)} samples / {self.world_size} ranks); lower it"
             )
-        self.total_steps = t["epochs"] * self.steps_per_epoch
-        if t["max_steps"] is not None:
-            self.total_steps = min(self.total_steps, t["max_steps"])
+        self.max_steps = t["max_steps"] if t["max_steps"] is not None else float("inf")
+        total_epochs = min(t["epochs"], self.max_steps / self.steps_per_epoch)
         base_lr = effective_lr(cfg["optimizer"], cfg["schedule"], self.batch_size * self.world_size)
         self.optimizer = build_optimizer(model, cfg["optimizer"], base_lr)
-        self.schedule = LRSchedule(cfg["schedule"], base_lr, self.steps_per_epoch, self.total_steps)
+        self.schedule = LRSchedule(cfg["schedule"], base_lr, total_epochs)
+        self.straggler = instantiate(cfg["straggler"])
         self.amp = instantiate(cfg["amp"])
         model, self.optimizer = self.amp.setup(model, self.optimizer, self.device)
         self.raw_model = model
@@ -90,17 +92,22 @@ class Trainer:
             self.last_eval = state.get("last_eval")
 
         self.sync = instantiate(cfg["sync"])
-        ctx = SyncContext(comm=self.comm, membership=self.membership, device=self.device, trainer=self)
-        self.model = self.sync.setup(model, self.optimizer, ctx)
+        ctx = SyncContext(
+            comm=self.comm,
+            membership=self.membership,
+            device=self.device,
+            rebuild_loaders=self.rebuild_loaders,
+            set_lr_scale=self.set_lr_scale,
+        )
+        self.sync.setup(model, self.optimizer, ctx)
         if state is not None:
             self.sync.load_state_dict(state["sync"])
         self.build_loaders()
 
         self.writer = None
+        self.events: list[dict[str, Any]] = []
         self.logger = instantiate(cfg["logger"])
-        if self.membership.is_logging_rank:
-            self.writer = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"))
-            self.logger.start(run_dir, cfg, self.sync.name)
+        self._become_logging_rank_if_needed()
         if state is not None:
             self.emit({"kind": "event", "event": "resume", "path": resume_path, "epoch": self.epoch, "step": self.step})
         self.console(
@@ -111,16 +118,30 @@ class Trainer:
 
     # ---- helpers -------------------------------------------------------------------------------------------
     def build_loaders(self) -> None:
-        """(Re)build both loaders over the active ranks (relaxed sync calls this after an eviction)."""
+        """Build both loaders over the active ranks."""
         m, d = self.membership, self.cfg["data"]
         self.train_loader = train_loader(
             self.data.train, self.batch_size, d["num_workers"], m.size, m.index, self.cfg["trainer"]["seed"]
         )
+        self.steps_per_epoch = steps_per_epoch(len(self.data.train), m.size, self.batch_size)
         self.val_loader = val_loader(self.data.val, self.batch_size, d["num_workers"], m.size, m.index)
 
-    def rebuild_val_loader(self) -> None:
+    def rebuild_loaders(self, train: bool) -> None:
+        """After the active ranks changed: the val loader always, the train loader if ``train`` (takes effect at
+        the start of the next epoch when called mid-epoch)."""
         m, d = self.membership, self.cfg["data"]
         self.val_loader = val_loader(self.data.val, self.batch_size, d["num_workers"], m.size, m.index)
+        if train:
+            self.build_loaders()
+
+    def set_lr_scale(self, scale: float) -> None:
+        self.schedule.scale = scale
+
+    def _become_logging_rank_if_needed(self) -> None:
+        """Open metrics.jsonl and the logger on the logging rank (again after the previous one left)."""
+        if self.writer is None and self.membership.active and self.membership.is_logging_rank:
+            self.writer = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"))
+            self.logger.start(self.run_dir, self.cfg, self.sync.name)
 
     def console(self, message: str) -> None:
         if self.membership.is_logging_rank:
@@ -139,31 +160,31 @@ class Trainer:
             self.logger.log(record, step=self.step)
 
     def _handle_events(self, report: SyncReport, epoch: int) -> None:
+        if not self.membership.active:
+            return  # this rank left the run: it writes nothing more
+        self._become_logging_rank_if_needed()  # the membership may have changed
         for event in report.events:
-            self.emit({"kind": "event", "epoch": epoch, "step": self.step, **event})
+            record = {"kind": "event", "epoch": epoch, "step": self.step, **event}
+            self.events.append(record)
+            self.emit(record)
             message = event.get("message")
             if message:
                 self.console(message)
         report.events = []
-        # Membership may have changed: the logging rank may be a new one.
-        if self.membership.is_logging_rank and self.writer is None and self.membership.active:
-            self.writer = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"))
-            self.logger.start(self.run_dir, self.cfg, self.sync.name)
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any] | None:
         t = self.cfg["trainer"]
         epochs_this_run = 0
         train_start = time.perf_counter()
-        while self.epoch < t["epochs"] and self.step < self.total_steps:
+        while self.epoch < t["epochs"] and self.step < self.max_steps:
             epoch = self.epoch
-            self.train_epoch(epoch)
+            finished_epoch = self.train_epoch(epoch)
             if not self.membership.active:
                 return None  # evicted: leave quietly
-            finished_epoch = self.step_in_epoch >= self.steps_per_epoch
             if finished_epoch:
                 self.epoch, self.step_in_epoch = epoch + 1, 0
-            last = self.epoch >= t["epochs"] or self.step >= self.total_steps
+            last = self.epoch >= t["epochs"] or self.step >= self.max_steps
             epochs_this_run += 1
             stop = t["max_epochs_per_run"] is not None and epochs_this_run >= t["max_epochs_per_run"]
             if last or (finished_epoch and (epoch + 1) % t["eval_every"] == 0):
@@ -174,19 +195,19 @@ class Trainer:
                 break
         return self.finish(time.perf_counter() - train_start)
 
-    def train_epoch(self, epoch: int) -> None:
+    def train_epoch(self, epoch: int) -> bool:
+        """Train one epoch (or its rest, after a mid-epoch resume); return whether it ran to its end."""
         t = self.cfg["trainer"]
-        report = self.sync.on_epoch_start(epoch)
-        self._handle_events(report, epoch)
+        self._handle_events(self.sync.on_epoch_start(epoch), epoch)  # may change the ranks and the loaders
         if not self.membership.active:
-            return
+            return False
         # Per-epoch, per-rank RNG: augmentation and dropout are reproducible on resume from an epoch boundary.
         torch.manual_seed(t["seed"] * 100_003 + epoch * 1_009 + self.rank)
         sampler = self.train_loader.sampler
         sampler.set_epoch(epoch)
         if self.step_in_epoch:
             sampler.skip(self.step_in_epoch * self.batch_size)
-        self.model.train()
+        self.sync.module.train()
         from tqdm import tqdm
 
         show = self.membership.is_logging_rank and t["progress"]
@@ -200,26 +221,33 @@ class Trainer:
             mininterval=0.5 if sys.stderr.isatty() else 30.0,
             file=sys.stderr,
         )
+        # Every rank runs the same number of steps, whatever the length of its own shard.
+        batches = itertools.islice(self.train_loader, self.steps_per_epoch - self.step_in_epoch)
         tick = time.perf_counter()
-        for x, y in self.train_loader:
+        for x, y in batches:
             data_s = time.perf_counter() - tick
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
             if self.cfg["model"].get("channels_last"):
                 x = x.contiguous(memory_format=torch.channels_last)
             report = self.sync.before_step(self.step)
+            if not self.membership.active:
+                break
             start = time.perf_counter()
+            slept = self.straggler.delay(epoch, self.rank, self.world_size)
             self.optimizer.zero_grad(set_to_none=True)
             with self.amp.autocast():
-                loss = self.criterion(self.model(x), y)
+                loss = self.criterion(self.sync.module(x), y)
             self.amp.backward(loss, self.optimizer)
             backward_end = time.perf_counter()
             report += self.sync.after_backward(self.step, self.amp.unscale(self.optimizer))
-            lr = self.schedule.apply(self.optimizer, self.step)
+            lr = self.schedule.apply(self.optimizer, epoch + self.step_in_epoch / self.steps_per_epoch)
             stepped = self.amp.step(self.optimizer, report.grads_finite)
             report += self.sync.after_optimizer_step(self.step)
             report += self.comm.take()
             end = time.perf_counter()
+            compute_s = (report.compute_end or backward_end) - start
+            self.straggler.observe(compute_s - slept)
 
             world = self.membership.size
             record = {
@@ -233,7 +261,7 @@ class Trainer:
                 "bytes_sent": report.bytes_sent,
                 "payload_bytes": report.payload_bytes,
                 "comm_s": report.comm_seconds,
-                "compute_s": (report.compute_end or backward_end) - start,
+                "compute_s": compute_s,
                 "data_s": data_s,
                 "step_s": end - tick,
             }
@@ -242,8 +270,8 @@ class Trainer:
             if self.amp.loss_scale != 1.0:
                 record["loss_scale"] = self.amp.loss_scale
             record.update(report.extra)
-            self.emit(record)
             self._handle_events(report, epoch)
+            self.emit(record)
             self.step += 1
             self.step_in_epoch += 1
             self.pbar.update(1)
@@ -251,11 +279,12 @@ class Trainer:
                 self.pbar.set_postfix(
                     loss=f"{record['loss']:.4f}", img_s=f"{record['samples_per_s']:.0f}", refresh=False
                 )
-            if not self.membership.active or self.step >= self.total_steps:
+            if not self.membership.active or self.step >= self.max_steps:
                 break
             tick = time.perf_counter()
         self.pbar.close()
         self.pbar = None
+        return self.membership.active and self.step_in_epoch >= self.steps_per_epoch
 
     @torch.no_grad()
     def evaluate(self, epoch: int) -> dict[str, Any]:
@@ -325,8 +354,19 @@ class Trainer:
             self.emit({"kind": "event", "event": "checkpoint", "path": path, "epoch": self.epoch, "step": self.step})
         return path
 
+    def replica_spread(self) -> float:
+        """Largest difference between any active rank's parameter fingerprint and the first one's (0.0: all
+        replicas hold identical parameters). One small allgather."""
+        flat = torch.cat([p.detach().reshape(-1).double() for p in self.raw_model.parameters()])
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device) / flat.numel()
+        fingerprint = torch.stack([flat.sum(), (flat * flat).sum(), (flat * weights).sum()])
+        prints = self.comm.all_gather(fingerprint)
+        self.comm.take()
+        return max(float((p - prints[0]).abs().max()) for p in prints)
+
     def finish(self, train_s: float) -> dict[str, Any] | None:
         self.sync.finalize()
+        spread = self.replica_spread()
         if not self.membership.is_logging_rank:
             return None
         totals = self.comm.totals
@@ -336,6 +376,8 @@ class Trainer:
             "epochs": self.epoch,
             "world_size": self.membership.size,
             "initial_world_size": self.membership.initial_size,
+            "ranks": self.membership.ranks,
+            "replica_spread": spread,
             "train_s": train_s,
             "bytes_sent": totals["bytes_sent"],
             "payload_bytes": totals["payload_bytes"],
@@ -346,15 +388,33 @@ class Trainer:
             "val_loss": self.last_eval["loss"] if self.last_eval else None,
         }
         self.emit(summary)
+        self._log_event_tables()
         self.logger.finish(summary)
         return summary
+
+    def _log_event_tables(self) -> None:
+        """One W&B table per event type (e.g. ``events/evict``), a row per occurrence."""
+        by_name: dict[str, list[dict[str, Any]]] = {}
+        for event in self.events:
+            by_name.setdefault(event["event"], []).append(event)
+        for name, rows in by_name.items():
+            columns = sorted({k for row in rows for k in row if k not in ("kind", "event", "message")})
+            self.logger.log_table(f"events/{name}", columns, [[_cell(row.get(c)) for c in columns] for row in rows])
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if not self.membership.active:
+            # Evicted: keep what was logged (finish the W&B run) and never touch the world group again.
+            self.logger.finish(None)
+            return
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _cell(value: Any) -> Any:
+    return value if isinstance(value, (int, float, str, bool)) or value is None else json.dumps(value)
 
 
 @record

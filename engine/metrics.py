@@ -6,6 +6,7 @@ One JSON object per line, ``kind`` in {train, eval, event, summary}; the logger 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
@@ -53,8 +54,8 @@ class ExperimentLogger:
     def log_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> None:
         pass
 
-    def finish(self, summary: dict[str, Any]) -> None:
-        pass
+    def finish(self, summary: dict[str, Any] | None) -> None:
+        """End the run; ``summary`` is None on a rank that leaves early (evicted)."""
 
 
 class NoLogger(ExperimentLogger):
@@ -104,7 +105,12 @@ class WandbLogger(ExperimentLogger):
     def start(self, run_dir, config, sync_name):
         import wandb
 
+        # The id is a function of the run dir: a resumed run, or a new logging rank after the previous one
+        # was evicted, continues the same W&B run.
+        run_id = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:16]
         self.run = wandb.init(
+            id=run_id,
+            resume="allow",
             project=self.project,
             entity=self.entity,
             group=self.group or sync_name,
@@ -127,7 +133,7 @@ class WandbLogger(ExperimentLogger):
 
     def finish(self, summary):
         if self.run is not None:
-            for key, value in wandb_keys(summary).items():
+            for key, value in wandb_keys(summary or {}).items():
                 self.run.summary[key] = value
             self.run.finish()
             self.run = None

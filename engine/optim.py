@@ -36,39 +36,39 @@ def build_optimizer(model: nn.Module, cfg_opt: dict[str, Any], lr: float) -> tor
 
 
 class LRSchedule:
-    """Linear warm-up, then cosine, poly or step decay; evaluated at every optimizer step.
+    """Linear warm-up, then cosine, poly or step decay, as a function of training progress in (fractional)
+    epochs, evaluated at every optimizer step. Progress in epochs, not steps, keeps the schedule right when the
+    number of steps per epoch changes (relaxed sync rebuilds the train loader over fewer ranks).
 
     ``scale`` multiplies the result (relaxed sync rescales the LR when the world shrinks).
     """
 
-    def __init__(self, cfg_sched: dict[str, Any], base_lr: float, steps_per_epoch: int, total_steps: int):
+    def __init__(self, cfg_sched: dict[str, Any], base_lr: float, total_epochs: float):
         self.cfg = cfg_sched
         self.base_lr = base_lr
-        self.steps_per_epoch = max(1, steps_per_epoch)
-        self.total_steps = max(1, total_steps)
-        self.warmup_steps = round(cfg_sched["warmup_epochs"] * self.steps_per_epoch)
+        self.total_epochs = max(total_epochs, 1e-9)
+        self.warmup_epochs = min(cfg_sched["warmup_epochs"], self.total_epochs)
         self.scale = 1.0
 
-    def factor(self, step: int) -> float:
+    def factor(self, epoch: float) -> float:
         c = self.cfg
-        if step < self.warmup_steps:
+        if epoch < self.warmup_epochs:
             start = c["warmup_start_factor"]
-            return start + (1.0 - start) * step / self.warmup_steps
+            return start + (1.0 - start) * epoch / self.warmup_epochs
         if c["name"] == "step":
-            epoch = step / self.steps_per_epoch
             return c["gamma"] ** sum(1 for m in c["milestones"] if epoch >= m)
-        span = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
+        span = max(self.total_epochs - self.warmup_epochs, 1e-9)
+        progress = min(1.0, (epoch - self.warmup_epochs) / span)
         floor = c["min_lr_factor"]
         if c["name"] == "cosine":
             return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
         return floor + (1.0 - floor) * (1.0 - progress) ** c["power"]  # poly
 
-    def lr(self, step: int) -> float:
-        return self.base_lr * self.factor(step) * self.scale
+    def lr(self, epoch: float) -> float:
+        return self.base_lr * self.factor(epoch) * self.scale
 
-    def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
-        lr = self.lr(step)
+    def apply(self, optimizer: torch.optim.Optimizer, epoch: float) -> float:
+        lr = self.lr(epoch)
         for group in optimizer.param_groups:
             group["lr"] = lr
         return lr

@@ -20,23 +20,23 @@ from engine.optim import LRSchedule, build_optimizer, effective_lr
 def _sched(name: str, **kw) -> LRSchedule:
     cfg = plain_cfg(f"schedule={name}")["schedule"]
     cfg.update(kw)
-    return LRSchedule(cfg, base_lr=1.0, steps_per_epoch=10, total_steps=100)
+    return LRSchedule(cfg, base_lr=1.0, total_epochs=10)
 
 
 def test_warmup_is_linear_then_cosine_reaches_floor():
     s = _sched("cosine", warmup_epochs=1, warmup_start_factor=0.1, min_lr_factor=0.0)
     assert s.lr(0) == pytest.approx(0.1)
-    assert s.lr(5) == pytest.approx(0.55)
-    assert s.lr(10) == pytest.approx(1.0)
-    assert s.lr(55) == pytest.approx(0.5)  # halfway through the decay
-    assert s.lr(100) == pytest.approx(0.0, abs=1e-12)
+    assert s.lr(0.5) == pytest.approx(0.55)
+    assert s.lr(1.0) == pytest.approx(1.0)
+    assert s.lr(5.5) == pytest.approx(0.5)  # halfway through the decay
+    assert s.lr(10) == pytest.approx(0.0, abs=1e-12)
 
 
 def test_poly_and_step_schedules():
     poly = _sched("poly", warmup_epochs=0, power=2.0, min_lr_factor=0.0)
-    assert poly.lr(50) == pytest.approx(0.25)
+    assert poly.lr(5.0) == pytest.approx(0.25)
     step = _sched("step", warmup_epochs=0, milestones=[3, 6], gamma=0.1)
-    assert [step.lr(s) for s in (29, 30, 59, 60)] == pytest.approx([1.0, 0.1, 0.1, 0.01])
+    assert [step.lr(e) for e in (2.9, 3.0, 5.9, 6.0)] == pytest.approx([1.0, 0.1, 0.1, 0.01])
 
 
 def test_scale_lr_is_the_linear_scaling_rule():
@@ -52,17 +52,26 @@ def test_shard_sampler_covers_every_sample_exactly_once():
         assert seen == list(range(n))
 
 
+def test_train_shards_partition_the_dataset():
+    for n, replicas in ((1438, 2), (1438, 3), (10, 4)):
+        shards = [TrainSampler(n, replicas, r, seed=0) for r in range(replicas)]
+        for s in shards:
+            s.set_epoch(2)
+        seen = sorted(i for s in shards for i in s)
+        assert seen == list(range(n))  # each sample exactly once, no padding duplicates
+        assert max(len(s) for s in shards) - min(len(s) for s in shards) <= 1
+
+
 def test_train_sampler_skip_resumes_mid_epoch():
-    data = list(range(20))
-    full = TrainSampler(data, num_replicas=2, rank=1, seed=3)
+    full = TrainSampler(20, num_replicas=2, rank=1, seed=3)
     full.set_epoch(4)
     order = list(full)
-    part = TrainSampler(data, num_replicas=2, rank=1, seed=3)
+    part = TrainSampler(20, num_replicas=2, rank=1, seed=3)
     part.set_epoch(4)
     part.skip(4)
     assert list(part) == order[4:]
     assert list(part) == order  # the skip applies to one epoch only
-    assert steps_per_epoch(1438, 2, 32) == 719 // 32
+    assert steps_per_epoch(1438, 3, 32) == 479 // 32
 
 
 def test_atomic_save_leaves_old_checkpoint_intact_on_failure(tmp_path, monkeypatch):
