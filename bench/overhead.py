@@ -11,59 +11,42 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import tempfile
 from pathlib import Path
 
-import torch
-from hydra import compose, initialize_config_dir
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from engine.config import prepare
+from bench.common import ROOT, config, machine, median, train_records
 from engine.launch import launch
 from engine.metrics import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
-
-
-def config(args: argparse.Namespace) -> dict:
-    overrides = [
-        f"model={args.model}"
-        if (ROOT / "conf" / "model" / f"{args.model}.yaml").exists()
-        else f"model.name={args.model}",
-        "data=synthetic",
-        f"data.image_size={args.image_size}",
-        f"data.batch_size={args.batch_size}",
-        "data.num_samples=4096",
-        "optimizer=momentum",
-        "schedule.warmup_epochs=0",
-        "logger=none",
-        "trainer.progress=false",
-        f"trainer.nproc={args.nproc}",
-        f"trainer.max_steps={args.steps}",
-        "trainer.checkpoint_every=0",
-    ]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return prepare(compose(config_name="train", overrides=overrides))
+def config_for(args: argparse.Namespace) -> dict:
+    model = args.model if (ROOT / "conf" / "model" / f"{args.model}.yaml").exists() else None
+    return config(
+        [
+            f"model={model}" if model else f"model.name={args.model}",
+            "data=synthetic",
+            f"data.image_size={args.image_size}",
+            f"data.batch_size={args.batch_size}",
+            "data.num_samples=4096",
+            "optimizer=momentum",
+            "schedule.warmup_epochs=0",
+            "logger=none",
+            "trainer.progress=false",
+            f"trainer.nproc={args.nproc}",
+            f"trainer.max_steps={args.steps}",
+            "trainer.checkpoint_every=0",
+        ]
+    )
 
 
 def run_ours(cfg: dict, warmup: int) -> float:
     with tempfile.TemporaryDirectory() as run_dir:
         launch(cfg, run_dir)
-        steps = [r for r in read_metrics(f"{run_dir}/metrics.jsonl") if r["kind"] == "train"][warmup:]
-    return statistics.median(r["samples_per_s"] for r in steps)
+        steps = train_records(read_metrics(f"{run_dir}/metrics.jsonl"))[warmup:]
+    return median(r["samples_per_s"] for r in steps)
 
 
 def run_plain(cfg: dict, warmup: int) -> float:
@@ -82,7 +65,7 @@ def run_plain(cfg: dict, warmup: int) -> float:
         )
         elastic_launch(lc, plain_worker)(cfg, out)
         result = json.loads(Path(out).read_text())
-    return statistics.median(result["samples_per_step"] / s for s in result["step_s"][warmup:])
+    return median(result["samples_per_step"] / s for s in result["step_s"][warmup:])
 
 
 def main() -> None:
@@ -96,7 +79,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "overhead.json"))
     args = parser.parse_args()
-    cfg = config(args)
+    cfg = config_for(args)
 
     ours, plain, ratios = [], [], []
     for i in range(args.runs):

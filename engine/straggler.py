@@ -27,14 +27,23 @@ class NoStraggler:
 
 class SleepStraggler(NoStraggler):
     """``straggler=sleep``: ranks in ``ranks`` (default: the last) sleep from ``start_epoch`` on, either
-    ``(slowdown - 1)`` times their normal compute time (the mean of its recent steps without the sleep, so slow
-    steps take ``slowdown`` times as long) or a fixed ``sleep_s``."""
+    ``(slowdown - 1)`` times their normal compute time or a fixed ``sleep_s``, so a slowed step takes
+    ``slowdown`` times as long as a normal one.
+
+    "Normal" is the mean compute time of the steps before the slowdown started (of the first slowed steps,
+    without the sleep, when it starts at epoch 0), frozen then. When processes share CPU cores, a slowed rank
+    computes faster than normal while the others wait for it; the sleep makes up for that (it is
+    ``slowdown x normal`` minus the compute time of the previous slowed step), so the slowed rank's own step
+    time is ``slowdown x normal`` either way.
+    """
 
     def __init__(
         self, ranks: list[int] | None = None, start_epoch: int = 10, slowdown: float = 3.0, sleep_s: float | None = None
     ):
         self.ranks, self.start_epoch, self.slowdown, self.sleep_s = ranks, start_epoch, slowdown, sleep_s
-        self._normal: list[float] = []  # compute times without the simulated delay
+        self._normal: list[float] = []  # compute times of normal steps
+        self._slowed_now = False
+        self._last_slowed: float | None = None  # compute time (without the sleep) of the last slowed step
 
     @classmethod
     def validate(cls, cfg: dict[str, Any], world_size: int) -> None:
@@ -59,15 +68,21 @@ class SleepStraggler(NoStraggler):
         return rank in ranks and epoch >= self.start_epoch
 
     def delay(self, epoch: int, rank: int, world_size: int) -> float:
-        if not self.slowed(epoch, rank, world_size):
+        self._slowed_now = self.slowed(epoch, rank, world_size)
+        if not self._slowed_now:
             return 0.0
         if self.sleep_s is not None:
             seconds = self.sleep_s
         else:
             recent = self._normal[-50:]
-            seconds = (self.slowdown - 1.0) * (sum(recent) / len(recent)) if recent else 0.0
+            normal = sum(recent) / len(recent) if recent else 0.0
+            actual = self._last_slowed if self._last_slowed is not None else normal
+            seconds = max(0.0, self.slowdown * normal - actual)
         time.sleep(seconds)
         return seconds
 
     def observe(self, compute_s: float) -> None:
-        self._normal.append(compute_s)
+        if self._slowed_now:
+            self._last_slowed = compute_s
+        if not self._slowed_now or len(self._normal) < 5:
+            self._normal.append(compute_s)

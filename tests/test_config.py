@@ -60,10 +60,20 @@ BAD = [
     (["schedule.name=linear"], "schedule.name", "linear", "one of cosine, poly, step"),
     (["amp=torch", "amp.dtype=float8"], "amp.dtype", "float8", "one of auto, bfloat16, float16"),
     (["logger.mode=sometimes"], "logger.mode", "sometimes", "one of offline, online, disabled"),
+    (["sync=relaxed", "sync.relaxed_sync_threshold=0.5"], "sync.relaxed_sync_threshold", "0.5", "a factor > 1"),
+    (["sync=relaxed", "sync.relaxed_sync_mode_threshold=1.5"], "sync.relaxed_sync_mode_threshold", "1.5", "(0, 1]"),
+    (["sync=relaxed", "sync.relaxed_sync_mode_threshold=0"], "sync.relaxed_sync_mode_threshold", "0", "(0, 1]"),
+    (["sync=relaxed", "sync.min_num_processes=0"], "sync.min_num_processes", "0", "an integer in [1, 2]"),
+    (["sync=relaxed", "sync.min_num_processes=3"], "sync.min_num_processes", "3", "an integer in [1, 2]"),
+    (["sync=relaxed", "sync.reference=max"], "sync.reference", "max", "one of median, mean, min"),
+    (["sync=relaxed", "sync.lr_policy=cube"], "sync.lr_policy", "cube", "one of linear, sqrt, none"),
+    (["sync=relaxed", "sync.check_every=0"], "sync.check_every", "0", "epoch, or a number of steps >= 1"),
+    (["straggler=sleep", "straggler.ranks=[5]"], "straggler.ranks", "[5]", "ranks in [0, 1]"),
+    (["straggler=sleep", "straggler.slowdown=0.5"], "straggler.slowdown", "0.5", "a factor >= 1"),
 ]
 
 
-@pytest.mark.parametrize("overrides,key,value,allowed", BAD, ids=[b[0][-1] for b in BAD])
+@pytest.mark.parametrize("overrides,key,value,allowed", BAD, ids=[" ".join(b[0]) for b in BAD])
 def test_bad_input_names_key_value_and_allowed(overrides, key, value, allowed):
     from engine.amp import probe_apex
 

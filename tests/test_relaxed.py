@@ -1,0 +1,144 @@
+"""sync=relaxed: stragglers are evicted, survivors continue identically, the CAC API runs under torchrun."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, records, train
+
+from algorithms.membership import Membership
+from algorithms.relaxed import decide, reference_time
+from data.common import TrainSampler
+
+RELAXED = [
+    "sync=relaxed",
+    "sync.relaxed_sync_threshold=2.0",
+    "straggler=sleep",
+    "straggler.start_epoch=1",
+    "model=test_resnet",
+    "data=digits",
+    "logger=none",
+    "trainer.progress=false",
+    "trainer.nproc=3",
+    "trainer.epochs=3",
+]
+STEPS_3, STEPS_2 = 1438 // 3 // 32, 1438 // 2 // 32  # steps per epoch with 3 and with 2 ranks
+
+
+def _evictions(metrics: list[dict]) -> list[dict]:
+    return [r for r in records(metrics, "event") if r["event"] == "evict"]
+
+
+@pytest.mark.parametrize("slow_rank", [2, 0], ids=["last-rank", "rank0"])
+def test_straggler_is_evicted_at_the_first_check_after_it_slows(tmp_path, slow_rank):
+    summary, metrics = train(tmp_path, *RELAXED, f"straggler.ranks=[{slow_rank}]")
+    # launch() returned normally: every worker, the evicted one included, exited 0.
+    (evict,) = _evictions(metrics)
+    assert evict["ranks"] == [slow_rank]
+    assert evict["epoch"] == 2  # slowed during epoch 1, evicted by the check at the start of epoch 2
+    assert evict["world_size"] == 2
+    assert set(evict["times"]) == {"0", "1", "2"}
+    assert evict["times"][str(slow_rank)] > 2.0 * evict["reference"]
+    steps = records(metrics, "train")
+    assert {r["world_size"] for r in steps if r["epoch"] < 2} == {3}
+    assert {r["world_size"] for r in steps if r["epoch"] >= 2} == {2}
+    # Below the mode threshold (2/3 < 0.8): train loader rebuilt over the survivors, LR rescaled (linear).
+    events = {r["event"]: r for r in records(metrics, "event")}
+    assert events["loader_rebuilt"]["loaders"] == ["train", "val"]
+    assert events["lr_adjusted"]["scale"] == pytest.approx(2 / 3)
+    assert len([r for r in steps if r["epoch"] == 2]) == STEPS_2  # the larger shards of two ranks
+    assert records(metrics, "eval")[-1]["num_samples"] == 359
+    assert summary["ranks"] == sorted({0, 1, 2} - {slow_rank})
+    assert summary["replica_spread"] == 0.0  # survivors end with identical parameters
+    assert summary["top1"] > 50.0
+
+
+def test_check_every_steps_evicts_mid_epoch_and_defers_the_train_rebuild(tmp_path):
+    summary, metrics = train(tmp_path, *RELAXED, "sync.check_every=5", "trainer.epochs=2")
+    (evict,) = _evictions(metrics)
+    first_slow_check = ((STEPS_3 + 1) // 5 + 1) * 5  # the first check whose whole window was slowed
+    assert evict["ranks"] == [2] and STEPS_3 < evict["step"] <= first_slow_check
+    rebuilt = next(r for r in records(metrics, "event") if r["event"] == "loader_rebuilt")
+    assert rebuilt["deferred_to_next_epoch"] is True
+    assert summary["world_size"] == 2 and summary["replica_spread"] == 0.0
+
+
+def test_min_num_processes_equal_to_world_size_keeps_everyone(tmp_path):
+    summary, metrics = train(tmp_path, *RELAXED, "sync.min_num_processes=3")
+    assert _evictions(metrics) == []
+    assert {r["world_size"] for r in records(metrics, "train")} == {3}
+    assert summary["world_size"] == 3
+
+
+def test_two_slow_ranks_with_min_two_processes_evicts_only_one(tmp_path):
+    summary, metrics = train(
+        tmp_path, *RELAXED, "straggler.ranks=[1,2]", "sync.reference=min", "sync.min_num_processes=2"
+    )
+    (evict,) = _evictions(metrics)
+    assert len(evict["ranks"]) == 1 and evict["ranks"][0] in (1, 2)
+    assert summary["world_size"] == 2 and 0 in summary["ranks"]
+
+
+def test_rebuilt_train_shards_cover_the_dataset_exactly_once():
+    """What Trainer.rebuild_loaders builds after rank 0 of 3 is evicted: the survivors' shards."""
+    membership = Membership(rank=1, world_size=3)
+    membership.replace([1, 2], group=None)
+    shards = []
+    for rank in membership.ranks:
+        membership.rank = rank
+        sampler = TrainSampler(1438, membership.size, membership.index, seed=0)
+        sampler.set_epoch(2)
+        shards.append(list(sampler))
+    assert sorted(shards[0] + shards[1]) == list(range(1438))
+
+
+def test_verdict_rules():
+    assert reference_time([1.0, 3.0], "median") == 1.0  # two ranks: the minimum, as CAC
+    assert reference_time([1.0, 1.2, 3.0], "median") == 1.2
+    v = decide([0, 1, 2], [1.0, 1.1, 3.0], threshold=2.0, reference="median", min_num_processes=1)
+    assert v.evicted == [2] and v.survivors == [0, 1]
+    v = decide([0, 1, 2], [1.0, 5.0, 3.0], threshold=2.0, reference="min", min_num_processes=2)
+    assert v.evicted == [1]  # the slowest first, within the budget
+    v = decide([0, 1, 2], [3.0, 1.0, 1.0], threshold=2.0, reference="median", min_num_processes=1, protected=(0,))
+    assert v.evicted == []
+    v = decide([0, 1, 2], [1.0, 1.0, 30.0], threshold=-1.0, reference="median", min_num_processes=1)
+    assert v.evicted == []  # a negative threshold disables eviction
+
+
+def test_allreduce_under_the_same_straggler_keeps_everyone_and_slows_down(tmp_path):
+    _, metrics = train(tmp_path, *[o for o in RELAXED if not o.startswith("sync")], "trainer.epochs=2")
+    steps = records(metrics, "train")
+    assert {r["world_size"] for r in steps} == {3}
+    healthy = statistics.median(r["step_s"] for r in steps if r["epoch"] == 0)
+    straggling = statistics.median(r["step_s"] for r in steps if r["epoch"] == 1)
+    assert straggling > 1.5 * healthy  # everyone waits for the straggler
+
+
+def test_cac_example_runs_under_torchrun_with_a_straggler(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "3",
+            "examples/relaxed_sync_cac.py", "--epochs", "3", "--simulate-slow-process", "1",
+            "--sleep-process-start-epoch", "1",
+        ],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "relaxsync: rank 2 evicted at epoch 2; exiting" in out.stdout
+    assert "epoch 2: processes 2, lr 0.0667" in out.stdout  # adjust_lr_by_procs below the mode threshold
+    assert "done: 2 of 3 processes finished" in out.stdout
+
+
+def test_a_worker_that_dies_still_ends_the_run_with_an_error(tmp_path):
+    from _workers import die_mid_run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    with pytest.raises(ChildFailedError) as info:
+        train(tmp_path, *RELAXED, "trainer.timeout_s=120", entrypoint=die_mid_run)
+    assert "worker died at step 3" in info.value.format_msg()
