@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test lint format bench bench-overhead bench-straggler clean
+.PHONY: help venv train test lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -33,13 +33,19 @@ format: $(STAMP) ## ruff format + autofix
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: bench-overhead bench-straggler ## run every benchmark (results: BENCHMARKS.md)
+bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy ## run every benchmark (results: BENCHMARKS.md)
 
 bench-overhead: $(STAMP) ## our allreduce loop vs a plain torch DDP loop (samples/s ratio)
 	$(PY) -m bench.overhead $(ARGS)
 
 bench-straggler: $(STAMP) ## allreduce vs relaxed sync with one rank slowed 3x, and a healthy 2-process run
 	$(PY) -m bench.straggler $(ARGS)
+
+bench-dgc: $(STAMP) ## DGC on ResNet-50: bytes per step vs allreduce, compression time vs forward+backward
+	$(PY) -m bench.dgc $(ARGS)
+
+bench-dgc-accuracy: $(STAMP) ## DGC (with warm-up) vs allreduce top-1 on digits, ResNet-18, 2 processes
+	$(PY) -m bench.dgc_accuracy $(ARGS)
 
 clean: ## remove run outputs (keeps .venv)
 	rm -rf outputs multirun .pytest_cache

@@ -92,6 +92,9 @@ class SyncAlgorithm:
 
     #: the W&B tag and the config option name
     name: str = "base"
+    #: True when ranks hold different state (residuals, local momenta): every rank then checkpoints its own
+    #: ``state_dict()`` beside the main checkpoint, and loads its own on resume.
+    per_rank_state: bool = False
 
     @classmethod
     def validate(cls, sync_cfg: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:

@@ -101,7 +101,7 @@ class Trainer:
         )
         self.sync.setup(model, self.optimizer, ctx)
         if state is not None:
-            self.sync.load_state_dict(state["sync"])
+            self.sync.load_state_dict(self._sync_state_to_resume(state, resume_path))
         self.build_loaders()
 
         self.writer = None
@@ -133,6 +133,21 @@ class Trainer:
         self.val_loader = val_loader(self.data.val, self.batch_size, d["num_workers"], m.size, m.index)
         if train:
             self.build_loaders()
+
+    def _sync_state_path(self, checkpoint_path: str) -> str:
+        return os.path.join(os.path.dirname(checkpoint_path), f"sync_rank{self.rank}.pt")
+
+    def _sync_state_to_resume(self, state: dict[str, Any], checkpoint_path: str) -> dict[str, Any]:
+        if not self.sync.per_rank_state:
+            return state["sync"]
+        path = self._sync_state_path(checkpoint_path)
+        if not os.path.isfile(path):
+            print(f"relaxsync: rank {self.rank}: no {path}; {self.sync.name} state starts empty", flush=True)
+            return {}
+        own = ckpt.load(path, map_location=self.device)
+        if own["step"] != state["step"]:
+            raise ValueError(f"{path} is from step {own['step']}, the checkpoint from step {state['step']}")
+        return own["sync"]
 
     def set_lr_scale(self, scale: float) -> None:
         self.schedule.scale = scale
@@ -336,13 +351,15 @@ class Trainer:
         self.sync.before_eval()
         self.comm.take()
         path = os.path.join(ckpt.checkpoint_dir(self.run_dir), ckpt.LAST)
+        if self.sync.per_rank_state:
+            ckpt.save_atomic({"sync": self.sync.state_dict(), "step": self.step}, self._sync_state_path(path))
         if self.membership.is_logging_rank:
             state = {
                 "model": self.raw_model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "amp": self.amp.state_dict(),
                 "schedule": self.schedule.state_dict(),
-                "sync": self.sync.state_dict(),
+                "sync": {} if self.sync.per_rank_state else self.sync.state_dict(),
                 "epoch": self.epoch,
                 "step": self.step,
                 "step_in_epoch": self.step_in_epoch,

@@ -37,3 +37,43 @@ def die_mid_run(cfg: dict, run_dir: str) -> None:
         trainer.fit()
     finally:
         trainer.close()
+
+
+@record
+def dgc_with_overflow(cfg: dict, run_dir: str) -> None:
+    """sync=dgc with amp=torch: rank 1's gradient gets an inf at step 3. Every rank records what it saw."""
+    import json
+
+    import torch
+
+    from engine.loop import Trainer
+
+    trainer = Trainer(cfg, run_dir)
+    seen = {"rank": trainer.rank}
+    unscale, after_backward = trainer.amp.unscale, trainer.sync.after_backward
+
+    def inject(optimizer):
+        if trainer.rank == 1 and trainer.step == 3:
+            next(trainer.raw_model.parameters()).grad.view(-1)[0] = float("inf")
+        return unscale(optimizer)
+
+    def watch(step, grads_finite):
+        if step != 3:
+            return after_backward(step, grads_finite)
+        before = [t.clone() for t in (trainer.sync.u, trainer.sync.v)]
+        report = after_backward(step, grads_finite)
+        after = (trainer.sync.u, trainer.sync.v)
+        seen.update(
+            local_finite=grads_finite,
+            agreed_finite=report.grads_finite,
+            residuals_untouched=all(torch.equal(a, b) for a, b in zip(before, after)),
+        )
+        return report
+
+    trainer.amp.unscale, trainer.sync.after_backward = inject, watch
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    with open(f"{run_dir}/overflow_rank{seen['rank']}.json", "w") as f:
+        json.dump(seen, f)

@@ -68,6 +68,13 @@ BAD = [
     (["sync=relaxed", "sync.reference=max"], "sync.reference", "max", "one of median, mean, min"),
     (["sync=relaxed", "sync.lr_policy=cube"], "sync.lr_policy", "cube", "one of linear, sqrt, none"),
     (["sync=relaxed", "sync.check_every=0"], "sync.check_every", "0", "epoch, or a number of steps >= 1"),
+    (["sync=dgc", "sync.sparsity=[1.0]"], "sync.sparsity", "[1.0]", "fractions in [0, 1)"),
+    (["sync=dgc", "sync.sparsity=[]"], "sync.sparsity", "[]", "a non-empty list"),
+    (["sync=dgc", "sync.sparsity=[0.9,0.5]"], "sync.sparsity", "[0.9, 0.5]", "an increasing list"),
+    (["sync=dgc", "sync.rampup_step=0"], "sync.rampup_step", "0", "an integer >= 1"),
+    (["sync=dgc", "sync.sample_ratio=0"], "sync.sample_ratio", "0", "a fraction in (0, 1]"),
+    (["sync=dgc", "optimizer=lars"], "optimizer", "lars", "momentum or sgd with sync=dgc"),
+    (["sync=dgc", "trainer.nproc=1"], "trainer.nproc", "1", "at least 2 processes"),
     (["straggler=sleep", "straggler.ranks=[5]"], "straggler.ranks", "[5]", "ranks in [0, 1]"),
     (["straggler=sleep", "straggler.slowdown=0.5"], "straggler.slowdown", "0.5", "a factor >= 1"),
 ]

@@ -1,0 +1,287 @@
+"""Deep Gradient Compression: send only the largest gradients, accumulate the rest locally.
+
+Deep Gradient Compression: Reducing the Communication Bandwidth for Distributed Training (Lin, Han, Mao, Wang,
+Dally; ICLR 2018; arXiv 1712.01887), with PaddlePaddle Fleet's option names and warm-up schedule. Each rank
+accumulates its momentum-corrected gradient in a residual ``v`` and sends only the entries above a threshold
+(the top 0.1 % at sparsity 0.999) as (value, index) pairs; everything else stays in ``v`` until it grows large
+enough, so nothing is lost, only delayed. Four corrections keep accuracy: momentum correction (accumulate
+``u = m*u + g`` rather than ``g``), local gradient clipping (at ``clip_norm / sqrt(N)``), momentum factor
+masking (clear ``u`` where ``v`` was sent, so stale momentum does not push twice) and weight-decay correction
+(the weight decay is added to the local gradient before accumulation). The threshold is estimated from a
+sample of each tensor, then the exact top-k is taken among the few candidates above it. Sparsity warms up
+through ``sparsity`` over ``rampup_step`` steps from ``rampup_begin_step``; before that, and for tensors smaller
+than ``min_compress_numel``, it is exactly dense momentum SGD with allreduce.
+
+DGC owns the momentum: it sets the optimizer's momentum and weight decay to 0 and hands it the averaged update,
+so the optimizer is plain SGD (``optimizer=momentum`` or ``optimizer=sgd``; LARS is rejected).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from algorithms.base import SyncAlgorithm, SyncContext, SyncReport
+
+
+def sparsity_at(step: int, rampup_begin_step: int, rampup_step: int, sparsity: list[float]) -> float | None:
+    """Fleet's warm-up: None (dense) before ``rampup_begin_step``; then ``sparsity`` entries in equal slices of
+    ``rampup_step`` steps; then the last entry forever."""
+    if step < rampup_begin_step:
+        return None
+    k = step - rampup_begin_step
+    if k >= rampup_step:
+        return sparsity[-1]
+    return sparsity[int(k * len(sparsity) / rampup_step)]
+
+
+def keep_count(numel: int, sparsity: float) -> int:
+    """Entries sent from a tensor of ``numel``: ``ceil(numel * (1 - sparsity))``, at least 1 (rounded first, so
+    that 100000 * (1 - 0.999) is 100, not 101)."""
+    return max(1, math.ceil(round(numel * (1.0 - sparsity), 6)))
+
+
+def select(
+    v: torch.Tensor, sparsity: float, sample_ratio: float, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, int]:
+    """Indices (into ``v``) of exactly ``k = ceil(numel * (1 - sparsity))`` entries of largest magnitude, or
+    fewer when the sampled threshold left fewer candidates; also returns ``k``.
+
+    The threshold comes from a random sample of ``sample_ratio`` of the tensor, set low enough that about
+    1.5 k entries pass it; the exact top-k is then taken among those candidates only."""
+    n = v.numel()
+    k = keep_count(n, sparsity)
+    if k >= n:
+        return torch.arange(n, device=v.device), k
+    magnitude = v.abs()
+    # The sample must hold enough entries above the threshold for a stable estimate (>= 16 expected), which
+    # for extreme sparsity means more than sample_ratio of a small tensor.
+    m = min(n, max(math.ceil(n * sample_ratio), math.ceil(16 / (1.5 * (1.0 - sparsity)))))
+    sample = magnitude[torch.randint(n, (m,), device=v.device, generator=generator)]
+    ranked = sample.topk(min(m, max(1, math.ceil(3.0 * m * (1.0 - sparsity)))), sorted=True).values
+    for factor in (1.5, 3.0):  # aim at ~1.5 k candidates; if the estimate fell short, lower the threshold once
+        position = min(ranked.numel(), max(1, math.ceil(factor * m * (1.0 - sparsity))))
+        candidates = (magnitude >= ranked[position - 1]).nonzero().view(-1)
+        if candidates.numel() >= k:
+            break
+    if candidates.numel() > k:
+        top = magnitude[candidates].topk(k, sorted=False).indices
+        candidates = candidates[top]
+    return candidates, k
+
+
+class DGC(SyncAlgorithm):
+    """``sync=dgc``: sparse, error-compensated gradient exchange by allgather of (value, index) pairs."""
+
+    name = "dgc"
+    per_rank_state = True  # residuals and momenta differ between ranks
+
+    def __init__(
+        self,
+        rampup_begin_step: int = 0,
+        rampup_step: int = 1,
+        sparsity: list[float] | tuple[float, ...] = (0.999,),
+        sample_ratio: float = 0.01,
+        min_compress_numel: int = 16384,
+        clip_norm: float | None = None,
+        momentum_masking: bool = True,
+        fp16_values: bool = False,
+    ):
+        self.rampup_begin_step, self.rampup_step = rampup_begin_step, rampup_step
+        self.sparsity = list(sparsity)
+        self.sample_ratio, self.min_compress_numel = sample_ratio, min_compress_numel
+        self.clip_norm, self.momentum_masking, self.fp16_values = clip_norm, momentum_masking, fp16_values
+
+    @classmethod
+    def validate(cls, sync_cfg: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        from engine.config import ConfigError
+
+        s = sync_cfg["sparsity"]
+        if not isinstance(s, list) or not s:
+            raise ConfigError("sync.sparsity", s, "a non-empty list of fractions dropped, e.g. [0.75, 0.9375, 0.999]")
+        if any(not isinstance(x, (int, float)) or not 0 <= x < 1 for x in s):
+            raise ConfigError("sync.sparsity", s, "fractions in [0, 1)")
+        if any(b <= a for a, b in zip(s, s[1:])):
+            raise ConfigError("sync.sparsity", s, "an increasing list (the warm-up only ever sends less)")
+        r = sync_cfg["rampup_step"]
+        if not (isinstance(r, int) and r >= 1):
+            raise ConfigError("sync.rampup_step", r, "an integer >= 1 (warm-up length in steps)")
+        b = sync_cfg["rampup_begin_step"]
+        if not (isinstance(b, int) and b >= 0):
+            raise ConfigError("sync.rampup_begin_step", b, "a step >= 0")
+        q = sync_cfg["sample_ratio"]
+        if not (isinstance(q, (int, float)) and 0 < q <= 1):
+            raise ConfigError("sync.sample_ratio", q, "a fraction in (0, 1]")
+        n = sync_cfg["min_compress_numel"]
+        if not (isinstance(n, int) and n >= 1):
+            raise ConfigError("sync.min_compress_numel", n, "an integer >= 1")
+        c = sync_cfg["clip_norm"]
+        if c is not None and not (isinstance(c, (int, float)) and c > 0):
+            raise ConfigError("sync.clip_norm", c, "null (off) or a norm > 0")
+        opt = cfg["optimizer"]
+        if opt["name"] not in ("momentum", "sgd"):
+            raise ConfigError(
+                "optimizer", opt["name"], "momentum or sgd with sync=dgc (DGC applies its own momentum correction)"
+            )
+        if opt["nesterov"]:
+            raise ConfigError("optimizer.nesterov", True, "false with sync=dgc (DGC's momentum is heavy-ball)")
+        if world_size < 2:
+            raise ConfigError("trainer.nproc", world_size, "at least 2 processes for sync=dgc (nothing to compress)")
+
+    # ---- setup -------------------------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: SyncContext) -> nn.Module:
+        super().setup(model, optimizer, ctx)
+        params, self.weight_decay = [], []
+        self.momentum = 0.0
+        for group in optimizer.param_groups:
+            # DGC takes over momentum and weight decay; the originals are kept in the group (and so in
+            # checkpoints), where a resumed run finds them again.
+            group.setdefault("dgc_momentum", group.get("momentum", 0.0))
+            group.setdefault("dgc_weight_decay", group.get("weight_decay", 0.0))
+            group["momentum"], group["weight_decay"] = 0.0, 0.0
+            if "nesterov" in group:
+                group["nesterov"] = False
+            self.momentum = group["dgc_momentum"]
+            for p in group["params"]:
+                if p.requires_grad:
+                    params.append(p)
+                    self.weight_decay.append(group["dgc_weight_decay"])
+        self.params = params
+        self.compressed = [
+            i for i, p in enumerate(params) if p.numel() >= self.min_compress_numel and p.dtype == torch.float32
+        ]
+        self.small = [i for i in range(len(params)) if i not in set(self.compressed)]
+        sizes = [params[i].numel() for i in self.compressed]
+        self.offsets = [0, *torch.tensor(sizes).cumsum(0).tolist()] if sizes else [0]
+        numel_c = self.offsets[-1]
+        device = ctx.device
+        self.u = torch.zeros(numel_c, device=device)  # momentum of the compressed tensors
+        self.v = torch.zeros(numel_c, device=device)  # residual: accumulated, not yet sent
+        self.u_dense = {i: torch.zeros_like(params[i]) for i in range(len(params))}  # dense-path momentum
+        self.num_params = sum(p.numel() for p in params)
+        self.generator = torch.Generator(device=device).manual_seed(1234 + ctx.membership.rank)
+        return model
+
+    # ---- the exchange ------------------------------------------------------------------------------------------
+    def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
+        compute_end = time.perf_counter()
+        comm, n = self.ctx.comm, self.ctx.comm.size
+        sparsity = sparsity_at(step, self.rampup_begin_step, self.rampup_step, self.sparsity)
+        dense_ids = list(range(len(self.params))) if sparsity is None else self.small
+        grads = [self._grad(i) for i in range(len(self.params))]
+        if sparsity is not None and self.clip_norm is not None and grads_finite:
+            # Local gradient clipping: the sum of N clipped gradients keeps the global clip_norm.
+            self._clip(grads, self.clip_norm / math.sqrt(n))
+
+        # 1) Dense tensors (all of them before the warm-up) + the overflow flag, in one allreduce. Deciding the
+        #    overflow from the reduced flag gives every rank the same verdict and the same collectives.
+        flat = torch.cat(
+            [grads[i].reshape(-1) for i in dense_ids]
+            + [torch.tensor([0.0 if grads_finite else 1.0], device=self.ctx.device)]
+        )
+        if not grads_finite:
+            flat[:-1].zero_()  # never ship inf/NaN; the step is skipped anyway
+        comm.all_reduce(flat)
+        if flat[-1].item() > 0:
+            return SyncReport(grads_finite=False, compute_end=compute_end, extra={"sparsity": sparsity or 0.0})
+        offset = 0
+        for i in dense_ids:
+            numel = self.params[i].numel()
+            g = flat[offset : offset + numel].view_as(self.params[i]).div_(n)
+            offset += numel
+            self.u_dense[i].mul_(self.momentum).add_(g)
+            self.params[i].grad = self.u_dense[i].clone()
+        dense_bytes = 2 * (n - 1) / n * 4 * self.num_params  # what allreduce of every gradient would send
+        if sparsity is None:
+            sent_bytes = 2 * (n - 1) / n * 4 * flat.numel()
+            extra = {"sparsity": 0.0, "density": 1.0, "compress_s": 0.0, "compression": dense_bytes / sent_bytes}
+            return SyncReport(compute_end=compute_end, extra=extra)
+
+        # 2) Compressed tensors: momentum correction, accumulation, selection, sparse allgather.
+        start = time.perf_counter()
+        g_c = torch.cat([grads[i].reshape(-1) for i in self.compressed])
+        self.u.mul_(self.momentum).add_(g_c)
+        self.v.add_(self.u)
+        indices, values, k_total, sent = self._compress(sparsity)
+        compress_s = time.perf_counter() - start
+        all_values = comm.all_gather(values)
+        all_indices = comm.all_gather(indices)
+        update = torch.zeros_like(self.v)
+        update.index_add_(0, torch.cat(all_indices).long(), torch.cat(all_values).float())
+        update.div_(n)
+        for j, i in enumerate(self.compressed):
+            self.params[i].grad = update[self.offsets[j] : self.offsets[j + 1]].view_as(self.params[i])
+        sent_bytes = 2 * (n - 1) / n * 4 * flat.numel() + (n - 1) * (
+            indices.numel() * indices.element_size() + values.numel() * values.element_size()
+        )
+        dense_numel = flat.numel() - 1
+        extra = {
+            "sparsity": sparsity,
+            "density": (sent + dense_numel) / self.num_params,  # fraction of all gradient entries sent
+            "compress_s": compress_s,
+            "compression": dense_bytes / sent_bytes,  # vs dense allreduce of every gradient
+        }
+        return SyncReport(compute_end=compute_end, extra=extra)
+
+    def _grad(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if self.weight_decay[i]:
+            g = g.add(p.detach(), alpha=self.weight_decay[i])  # weight-decay correction: before accumulation
+        return g
+
+    @staticmethod
+    def _clip(grads: list[torch.Tensor], max_norm: float) -> None:
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        scale = max_norm / (float(total) + 1e-6)
+        if scale < 1.0:
+            for g in grads:
+                g.mul_(scale)
+
+    def _compress(self, sparsity: float) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """Select from each compressed tensor's residual; clear what is sent (and its momentum, when masking).
+
+        Returns global int32 indices and values, padded to exactly ``sum(k)`` entries with (0.0 at the tensor's
+        first index) so that every rank's allgather has the same size, plus ``sum(k)`` and the number of real
+        entries."""
+        index_parts, value_parts, k_total, sent = [], [], 0, 0
+        for j in range(len(self.compressed)):
+            lo, hi = self.offsets[j], self.offsets[j + 1]
+            chosen, k = select(self.v[lo:hi], sparsity, self.sample_ratio, self.generator)
+            chosen = chosen + lo
+            values = self.v[chosen]
+            self.v[chosen] = 0.0  # error feedback: what is sent leaves the residual
+            if self.momentum_masking:
+                self.u[chosen] = 0.0
+            pad = k - chosen.numel()
+            if pad:
+                chosen = torch.cat([chosen, torch.full((pad,), lo, dtype=chosen.dtype, device=chosen.device)])
+                values = torch.cat([values, values.new_zeros(pad)])
+            index_parts.append(chosen)
+            value_parts.append(values)
+            k_total += k
+            sent += k - pad
+        indices = torch.cat(index_parts).to(torch.int32)
+        values = torch.cat(value_parts)
+        if self.fp16_values:
+            values = values.half()
+        return indices, values, k_total, sent
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"u": self.u, "v": self.v, "u_dense": [self.u_dense[i] for i in range(len(self.params))]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self.u.copy_(state["u"])
+        self.v.copy_(state["v"])
+        for i, t in enumerate(state["u_dense"]):
+            self.u_dense[i].copy_(t)
+
+    def before_eval(self) -> None:
+        self.ctx.comm.average_buffers(self.model)

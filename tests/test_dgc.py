@@ -1,0 +1,130 @@
+"""sync=dgc: dense equivalence, lossless error feedback, Fleet's warm-up, overflow agreement, exact bytes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import timm
+import torch
+from conftest import load_model_state, records, train
+
+from algorithms.base import SyncContext
+from algorithms.dgc import DGC, keep_count, select, sparsity_at
+from algorithms.membership import Membership
+
+FAST = ["model=test_resnet", "data=digits", "logger=none", "trainer.progress=false", "trainer.nproc=2"]
+FLEET_EXAMPLE = [0.75, 0.9375, 0.984375, 0.996, 0.999]
+
+
+def test_warmup_schedule_matches_fleet_example():
+    at = [sparsity_at(step, 0, 100, FLEET_EXAMPLE) for step in range(130)]
+    assert at[0:20] == [0.75] * 20
+    assert at[20:40] == [0.9375] * 20
+    assert at[40:60] == [0.984375] * 20
+    assert at[60:80] == [0.996] * 20
+    assert at[80:130] == [0.999] * 50
+    assert sparsity_at(4, 5, 10, [0.999]) is None  # before rampup_begin_step: dense
+    assert sparsity_at(5, 5, 1, [0.999]) == 0.999  # fine-tuning setting: compress from the begin step
+
+
+def _dgc_on(model: torch.nn.Module, **kw) -> DGC:
+    dgc = DGC(**kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    dgc.setup(model, opt, SyncContext(comm=None, membership=Membership(0, 2), device=torch.device("cpu")))
+    return dgc
+
+
+@pytest.mark.parametrize("sparsity", [0.999, 0.99, 0.9])
+def test_sent_plus_residual_equals_accumulated_velocity(sparsity):
+    torch.manual_seed(0)
+    dgc = _dgc_on(timm.create_model("test_resnet", num_classes=10), sparsity=[sparsity])
+    assert dgc.compressed  # test_resnet has tensors above min_compress_numel
+    for _ in range(3):  # several steps: the residual carries over
+        dgc.u.mul_(0.9).add_(torch.randn_like(dgc.u))
+        dgc.v.add_(dgc.u)
+        before = dgc.v.clone()
+        u_before = dgc.u.clone()
+        indices, values, k_total, sent = dgc._compress(sparsity)
+        sent_dense = torch.zeros_like(before).index_add_(0, indices.long(), values)
+        torch.testing.assert_close(sent_dense + dgc.v, before, rtol=0, atol=0)  # nothing lost
+        sizes = [dgc.offsets[j + 1] - dgc.offsets[j] for j in range(len(dgc.compressed))]
+        assert k_total == sum(keep_count(n, sparsity) for n in sizes) == indices.numel()
+        assert sent <= k_total and sent >= 0.9 * k_total
+        chosen = sent_dense != 0
+        assert torch.all(dgc.u[chosen] == 0)  # momentum factor masking
+        assert torch.equal(dgc.u[~chosen], u_before[~chosen])
+
+
+def test_select_takes_the_largest_magnitudes():
+    torch.manual_seed(0)
+    v = torch.randn(100_000)
+    chosen, k = select(v, 0.999, 0.01)
+    assert k == 100 and chosen.numel() <= k
+    exact = set(v.abs().topk(k).indices.tolist())
+    assert len(exact & set(chosen.tolist())) >= 0.9 * chosen.numel()
+    assert chosen.numel() == k  # the sampled threshold let enough candidates through
+
+
+def test_dgc_takes_over_momentum_and_weight_decay():
+    model = timm.create_model("test_resnet", num_classes=10)
+    dgc = _dgc_on(model)
+    assert dgc.momentum == 0.9
+    assert all(g["momentum"] == 0 and g["weight_decay"] == 0 for g in dgc.optimizer.param_groups)
+
+
+def test_sparsity_zero_equals_allreduce_momentum_sgd(tmp_path):
+    """Everything sent, no momentum masking (which would clear the momentum of every sent entry): DGC is
+    exactly momentum SGD with weight decay on averaged gradients."""
+    common = [*FAST, "optimizer=momentum", "trainer.max_steps=6", "data.batch_size=16", "trainer.checkpoint_every=0"]
+    train(tmp_path / "dgc", *common, "sync=dgc", "sync.sparsity=[0.0]", "sync.momentum_masking=false")
+    train(tmp_path / "ar", *common, "sync=allreduce")
+    a, b = load_model_state(tmp_path / "dgc"), load_model_state(tmp_path / "ar")
+    for name, p in b.items():
+        if p.is_floating_point() and "running" not in name:
+            torch.testing.assert_close(a[name], p, atol=1e-5, rtol=0, msg=name)
+
+
+def test_bytes_sent_match_the_sparse_exchange(tmp_path):
+    _, metrics = train(tmp_path, *FAST, "sync=dgc", "trainer.max_steps=3", "sync.min_compress_numel=16384")
+    model = timm.create_model("test_resnet", num_classes=10)
+    sizes = [p.numel() for p in model.parameters()]
+    big = [n for n in sizes if n >= 16384]
+    small = sum(n for n in sizes if n < 16384)
+    k = sum(keep_count(n, 0.999) for n in big)
+    n_ranks = 2
+    expected = 2 * (n_ranks - 1) / n_ranks * 4 * (small + 1) + (n_ranks - 1) * (4 + 4) * k
+    dense = 2 * (n_ranks - 1) / n_ranks * 4 * sum(sizes)
+    for r in records(metrics, "train"):
+        assert r["bytes_sent"] == pytest.approx(expected)
+        assert r["compression"] == pytest.approx(dense / expected)
+        assert r["sparsity"] == 0.999
+
+
+def test_overflow_on_one_rank_skips_the_step_everywhere(tmp_path):
+    from _workers import dgc_with_overflow
+
+    train(
+        tmp_path, *FAST, "sync=dgc", "amp=torch", "amp.scaler=true", "trainer.max_steps=6",
+        "trainer.timeout_s=120", entrypoint=dgc_with_overflow,
+    )  # fmt: skip
+    seen = [json.loads((tmp_path / f"overflow_rank{r}.json").read_text()) for r in (0, 1)]
+    assert [s["local_finite"] for s in seen] == [True, False]
+    assert [s["agreed_finite"] for s in seen] == [False, False]  # both ranks skipped
+    assert all(s["residuals_untouched"] for s in seen)
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in records(metrics, "train")}
+    assert steps[3].get("skipped") is True and not any(steps[s].get("skipped") for s in (0, 1, 2, 4, 5))
+    assert steps[4]["loss_scale"] == steps[2]["loss_scale"] / 2
+    assert records(metrics, "summary")[0]["replica_spread"] == 0.0
+
+
+def test_resume_restores_each_ranks_residuals(tmp_path):
+    common = [*FAST, "sync=dgc", "sync.sparsity=[0.99]", "data.batch_size=64", "trainer.epochs=2"]
+    train(tmp_path / "full", *common)
+    train(tmp_path / "split", *common, "trainer.max_epochs_per_run=1")
+    assert (tmp_path / "split" / "checkpoints" / "sync_rank1.pt").exists()
+    train(tmp_path / "split", *common, "trainer.resume=auto")
+    a, b = load_model_state(tmp_path / "full"), load_model_state(tmp_path / "split")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0, msg=name)
