@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy clean
+.PHONY: help venv train test lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -33,7 +33,7 @@ format: $(STAMP) ## ruff format + autofix
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy ## run every benchmark (results: BENCHMARKS.md)
+bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip ## run every benchmark (results: BENCHMARKS.md)
 
 bench-overhead: $(STAMP) ## our allreduce loop vs a plain torch DDP loop (samples/s ratio)
 	$(PY) -m bench.overhead $(ARGS)
@@ -46,6 +46,12 @@ bench-dgc: $(STAMP) ## DGC on ResNet-50: bytes per step vs allreduce, compressio
 
 bench-dgc-accuracy: $(STAMP) ## DGC (with warm-up) vs allreduce top-1 on digits, ResNet-18, 2 processes
 	$(PY) -m bench.dgc_accuracy $(ARGS)
+
+bench-localsgd: $(STAMP) ## local SGD k = 1..16 and adaptive: samples/s, bytes/step, top-1 side by side
+	$(PY) -m bench.localsgd $(ARGS)
+
+bench-gossip: $(STAMP) ## allreduce vs SGP vs crossover (coarse, fine, hierarchical), 4 processes
+	$(PY) -m bench.gossip $(ARGS)
 
 clean: ## remove run outputs (keeps .venv)
 	rm -rf outputs multirun .pytest_cache

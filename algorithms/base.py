@@ -81,6 +81,9 @@ class SyncContext:
     rebuild_loaders: Callable[[bool], None] = lambda train: None
     # Multiply the scheduled learning rate by this factor from now on.
     set_lr_scale: Callable[[float], None] = lambda scale: None
+    # This rank's loss and the learning rate of the current step (valid in after_optimizer_step).
+    get_loss: Callable[[], float] = lambda: float("nan")
+    get_lr: Callable[[], float] = lambda: float("nan")
 
 
 class SyncAlgorithm:
@@ -95,6 +98,9 @@ class SyncAlgorithm:
     #: True when ranks hold different state (residuals, local momenta): every rank then checkpoints its own
     #: ``state_dict()`` beside the main checkpoint, and loads its own on resume.
     per_rank_state: bool = False
+    #: True when replicas differ (gossip): evaluation then also reports the replicas' own accuracy, measured
+    #: before ``before_eval()`` brings them into agreement.
+    evaluates_replicas: bool = False
 
     @classmethod
     def validate(cls, sync_cfg: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:

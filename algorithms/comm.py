@@ -37,6 +37,8 @@ class Communicator:
         self.membership = membership
         self._step = SyncReport()
         self.totals = {"bytes_sent": 0.0, "payload_bytes": 0.0, "comm_s": 0.0}
+        self._side = False
+        self.side_bytes = 0.0  # measurement traffic (consensus distance), kept out of bytes_sent
 
     # ---- accounting -------------------------------------------------------------------------------------
     @property
@@ -48,6 +50,9 @@ class Communicator:
         return self.membership.group
 
     def record(self, bytes_sent: float, payload_bytes: float, seconds: float) -> None:
+        if self._side:
+            self.side_bytes += bytes_sent
+            return
         self._step.bytes_sent += bytes_sent
         self._step.payload_bytes += payload_bytes
         self._step.comm_seconds += seconds
@@ -55,15 +60,24 @@ class Communicator:
         self.totals["payload_bytes"] += payload_bytes
         self.totals["comm_s"] += seconds
 
-    def record_allreduce(self, nbytes: int, seconds: float) -> None:
-        """Count an allreduce issued elsewhere (DDP's comm hook)."""
-        n = self.size
+    def record_allreduce(self, nbytes: int, seconds: float, size: int | None = None) -> None:
+        """Count an allreduce issued elsewhere (DDP's comm hook), or over a subgroup of ``size`` ranks."""
+        n = self.size if size is None else size
         self.record(2 * (n - 1) * nbytes / n, nbytes, seconds)
 
     def take(self) -> SyncReport:
         """Return this step's counts and start a new step."""
         report, self._step = self._step, SyncReport()
         return report
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Collectives inside are measurements, not training traffic: counted in ``side_bytes`` only."""
+        self._side = True
+        try:
+            yield
+        finally:
+            self._side = False
 
     @contextmanager
     def _timed(self) -> Iterator[list[float]]:
@@ -73,11 +87,14 @@ class Communicator:
         box[0] = time.perf_counter() - t0
 
     # ---- collectives ------------------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-        """In-place allreduce over the active group."""
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None
+    ) -> torch.Tensor:
+        """In-place allreduce over the active group (or over ``group``, a subgroup of it)."""
         with self._timed() as t:
-            dist.all_reduce(tensor, op=op, group=self.group)
-        self.record_allreduce(tensor_bytes(tensor), t[0])
+            dist.all_reduce(tensor, op=op, group=group or self.group)
+        size = dist.get_world_size(group) if group is not None else None
+        self.record_allreduce(tensor_bytes(tensor), t[0], size)
         return tensor
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -107,13 +124,32 @@ class Communicator:
         self.record((self.size - 1) * nbytes, nbytes, t[0])
         return out
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        """Broadcast from global rank ``src`` (an active rank) to the active group, in place."""
+    def broadcast(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """Broadcast from global rank ``src`` to the active group (or ``group``, a subgroup), in place."""
         with self._timed() as t:
-            dist.broadcast(tensor, src=src, group=self.group)
+            dist.broadcast(tensor, src=src, group=group or self.group)
         nbytes = tensor_bytes(tensor)
-        self.record(nbytes / self.size, nbytes / self.size, t[0])
+        size = dist.get_world_size(group) if group is not None else self.size
+        self.record(nbytes / size, nbytes / size, t[0])
         return tensor
+
+    def exchange(
+        self,
+        sends: list[tuple[torch.Tensor, int]],
+        recvs: list[tuple[torch.Tensor, int]],
+        mean_fraction: float = 1.0,
+    ) -> None:
+        """Point-to-point: send each ``(tensor, global rank)`` and fill each ``(tensor, global rank)``, all at
+        once. Receives are posted first: with gloo, an isend posted before the irecv from the same peer
+        serialises the two directions. Counted as this rank's own sends times ``mean_fraction``, the share of
+        active ranks that send the same (1 when every rank does; 1/g when only group leaders do)."""
+        ops = [dist.P2POp(dist.irecv, t, peer, group=self.group) for t, peer in recvs]
+        ops += [dist.P2POp(dist.isend, t, peer, group=self.group) for t, peer in sends]
+        with self._timed() as t:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        nbytes = sum(tensor_bytes(x) for x, _ in sends) * mean_fraction
+        self.record(nbytes, nbytes, t[0])
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)

@@ -500,19 +500,21 @@ class RelaxedSyncDistributedDataParallel(nn.Module):
         from data.common import TrainSampler
 
         dataset, batch_size, num_workers, pin_memory, collate_fn, drop_last, kwargs = self._train_loader_args
-        sampler = _EpochFollowingSampler(
-            self, TrainSampler(len(dataset), self.membership.size, self.membership.index, 0)
+        shard = TrainSampler(len(dataset), self.membership.size, self.membership.index, 0)
+        kwargs = {**kwargs, "drop_last": drop_last}
+        return self._loader(
+            dataset, _EpochFollowingSampler(self, shard), batch_size, num_workers, pin_memory, collate_fn, kwargs
         )
-        return torch.utils.data.DataLoader(
-            dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-            collate_fn=collate_fn, drop_last=drop_last, **kwargs,
-        )  # fmt: skip
 
     def _build_val_loader(self):
         from data.common import ShardSampler
 
         dataset, batch_size, num_workers, pin_memory, collate_fn, kwargs = self._val_loader_args
-        sampler = ShardSampler(len(dataset), self.membership.size, self.membership.index)
+        shard = ShardSampler(len(dataset), self.membership.size, self.membership.index)
+        return self._loader(dataset, shard, batch_size, num_workers, pin_memory, collate_fn, kwargs)
+
+    @staticmethod
+    def _loader(dataset, sampler, batch_size, num_workers, pin_memory, collate_fn, kwargs):
         return torch.utils.data.DataLoader(
             dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
             collate_fn=collate_fn, **kwargs,

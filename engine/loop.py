@@ -98,6 +98,8 @@ class Trainer:
             device=self.device,
             rebuild_loaders=self.rebuild_loaders,
             set_lr_scale=self.set_lr_scale,
+            get_loss=lambda: float(self._loss.item()),
+            get_lr=lambda: self._lr,
         )
         self.sync.setup(model, self.optimizer, ctx)
         if state is not None:
@@ -258,6 +260,7 @@ class Trainer:
             report += self.sync.after_backward(self.step, self.amp.unscale(self.optimizer))
             lr = self.schedule.apply(self.optimizer, epoch + self.step_in_epoch / self.steps_per_epoch)
             stepped = self.amp.step(self.optimizer, report.grads_finite)
+            self._loss, self._lr = loss.detach(), lr
             report += self.sync.after_optimizer_step(self.step)
             report += self.comm.take()
             end = time.perf_counter()
@@ -302,20 +305,18 @@ class Trainer:
         return self.membership.active and self.step_in_epoch >= self.steps_per_epoch
 
     @torch.no_grad()
-    def evaluate(self, epoch: int) -> dict[str, Any]:
-        """Top-1/top-5 and loss over the whole validation set, each sample counted exactly once."""
-        self.sync.before_eval()
+    def _eval_sums(self) -> list[float]:
+        """loss sum, top-1 hits, top-5 hits, count over the whole validation set (each sample once)."""
         model = self.raw_model
         model.eval()
-        sums = torch.zeros(4, dtype=torch.float64)  # loss, top1, top5, count
+        sums = torch.zeros(4, dtype=torch.float64)
         k = min(5, self.data.num_classes)
         for x, y in self.val_loader:
             x, y = x.to(self.device), y.to(self.device)
             with self.amp.autocast():
                 logits = model(x)
             logits = logits.float()
-            topk = logits.topk(k, dim=1).indices
-            hits = topk.eq(y.unsqueeze(1))
+            hits = logits.topk(k, dim=1).indices.eq(y.unsqueeze(1))
             sums += torch.tensor(
                 [
                     nn.functional.cross_entropy(logits, y, reduction="sum").item(),
@@ -328,7 +329,19 @@ class Trainer:
         sums = sums.to(self.device)
         self.comm.all_reduce(sums)
         self.comm.take()  # evaluation traffic is not a training step's; it stays in the totals
-        loss_sum, top1, top5, count = sums.tolist()
+        model.train()
+        return sums.tolist()
+
+    def evaluate(self, epoch: int) -> dict[str, Any]:
+        """Top-1/top-5 and loss over the whole validation set, each sample counted exactly once."""
+        extra = {}
+        if self.sync.evaluates_replicas:
+            # Each rank's own replica on its shard: an unbiased estimate of the replicas' mean accuracy.
+            loss_sum, top1, top5, count = self._eval_sums()
+            extra = {"replica_loss": loss_sum / count, "replica_top1": 100.0 * top1 / count}
+        self.sync.before_eval()
+        self.comm.take()
+        loss_sum, top1, top5, count = self._eval_sums()
         result = {
             "kind": "eval",
             "epoch": epoch,
@@ -337,14 +350,15 @@ class Trainer:
             "top1": 100.0 * top1 / count,
             "top5": 100.0 * top5 / count,
             "num_samples": int(count),
+            **extra,
         }
         self.last_eval = result
         self.emit(result)
+        replica = f", replicas' own top1 {extra['replica_top1']:.2f}%" if extra else ""
         self.console(
             f"eval epoch {epoch + 1}: top1 {result['top1']:.2f}% top5 {result['top5']:.2f}% "
-            f"loss {result['loss']:.4f} ({result['num_samples']} samples)"
+            f"loss {result['loss']:.4f} ({result['num_samples']} samples){replica}"
         )
-        model.train()
         return result
 
     def save_checkpoint(self) -> str | None:

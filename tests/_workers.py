@@ -9,6 +9,23 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 
+def _fit(trainer) -> None:
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+
+
+def _all_params(trainer) -> list:
+    """Every active rank's flat parameters (an uncounted allgather on the active group)."""
+    import torch
+
+    flat = torch.cat([p.detach().reshape(-1) for p in trainer.raw_model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(trainer.membership.size)]
+    dist.all_gather(everyone, flat, group=trainer.membership.group)
+    return everyone
+
+
 @record
 def fail_on_rank1(cfg: dict, run_dir: str) -> None:
     """Rank 1 raises; rank 0 waits in a barrier that rank 1 never reaches."""
@@ -33,10 +50,7 @@ def die_mid_run(cfg: dict, run_dir: str) -> None:
             return original(step)
 
         trainer.sync.after_optimizer_step = crash
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    _fit(trainer)
 
 
 @record
@@ -71,9 +85,112 @@ def dgc_with_overflow(cfg: dict, run_dir: str) -> None:
         return report
 
     trainer.amp.unscale, trainer.sync.after_backward = inject, watch
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    _fit(trainer)
     with open(f"{run_dir}/overflow_rank{seen['rank']}.json", "w") as f:
         json.dump(seen, f)
+
+
+@record
+def localsgd_watch_replicas(cfg: dict, run_dir: str) -> None:
+    """Record, after every optimizer step, whether all replicas hold identical parameters, and whether the
+    step averaged them. Uses its own uncounted allgather on the active group."""
+    import json
+
+    import torch
+
+    from engine.loop import Trainer
+
+    trainer = Trainer(cfg, run_dir)
+    log = []
+    after = trainer.sync.after_optimizer_step
+
+    def watch(step):
+        report = after(step)
+        everyone = _all_params(trainer)
+        identical = all(torch.equal(everyone[0], other) for other in everyone[1:])
+        log.append({"step": step, "synced": bool(report.extra.get("synced")), "identical": identical})
+        return report
+
+    trainer.sync.after_optimizer_step = watch
+    _fit(trainer)
+    if trainer.rank == 0:
+        with open(f"{run_dir}/replicas.json", "w") as f:
+            json.dump(log, f)
+
+
+@record
+def gossip_from_spread_replicas(cfg: dict, run_dir: str) -> None:
+    """Gossip with the LR at 0 from replicas made different on purpose: record, after every step, each rank's
+    distance to the initial average and the sum of the push-sum weights."""
+    import json
+
+    import torch
+
+    from engine.loop import Trainer
+
+    trainer = Trainer(cfg, run_dir)
+    trainer.set_lr_scale(0.0)  # no gradient steps: only gossip moves the parameters
+    group = trainer.membership.group
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(100 + trainer.rank)
+        for p in trainer.raw_model.parameters():
+            p.add_(torch.randn(p.shape, generator=g))
+    flat = torch.cat([p.detach().reshape(-1) for p in trainer.raw_model.parameters()])
+    average = flat.clone()
+    dist.all_reduce(average, group=group)
+    average /= trainer.membership.size
+    log = []
+    after = trainer.sync.after_optimizer_step
+
+    def watch(step):
+        report = after(step)
+        now = torch.cat([p.detach().reshape(-1) for p in trainer.raw_model.parameters()])
+        weights = torch.tensor([getattr(trainer.sync, "weight", 1.0)], dtype=torch.float64)
+        dist.all_reduce(weights, group=group)
+        log.append({"step": step, "error": float((now - average).abs().max()), "weight_sum": float(weights)})
+        return report
+
+    trainer.sync.after_optimizer_step = watch
+    _fit(trainer)
+    with open(f"{run_dir}/gossip_rank{trainer.rank}.json", "w") as f:
+        json.dump(log, f)
+
+
+@record
+def crossover_watch(cfg: dict, run_dir: str) -> None:
+    """Record every point-to-point exchange (segment sizes, peers) and, after every step, whether this rank's
+    parameters equal those of every other rank of its group."""
+    import json
+
+    import torch
+
+    from engine.loop import Trainer
+
+    trainer = Trainer(cfg, run_dir)
+    sync, comm = trainer.sync, trainer.comm
+    rounds, same_in_group = [], []
+    exchange = comm.exchange
+
+    def watch_exchange(sends, recvs, mean_fraction=1.0):
+        rounds.append(
+            {
+                "step": trainer.step,
+                "sends": [[int(t.numel()), int(peer)] for t, peer in sends],
+                "recvs": [[int(t.numel()), int(peer)] for t, peer in recvs],
+            }
+        )
+        return exchange(sends, recvs, mean_fraction)
+
+    after = sync.after_optimizer_step
+
+    def watch_step(step):
+        report = after(step)
+        everyone = _all_params(trainer)
+        group = [trainer.membership.ranks.index(r) for r in sync.my_group]
+        same_in_group.append(all(torch.equal(everyone[group[0]], everyone[i]) for i in group))
+        return report
+
+    comm.exchange, sync.after_optimizer_step = watch_exchange, watch_step
+    _fit(trainer)
+    with open(f"{run_dir}/crossover_rank{trainer.rank}.json", "w") as f:
+        json.dump({"rounds": rounds, "same_in_group": same_in_group, "segments": len(sync.ranges)}, f)

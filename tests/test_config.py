@@ -75,6 +75,24 @@ BAD = [
     (["sync=dgc", "sync.sample_ratio=0"], "sync.sample_ratio", "0", "a fraction in (0, 1]"),
     (["sync=dgc", "optimizer=lars"], "optimizer", "lars", "momentum or sgd with sync=dgc"),
     (["sync=dgc", "trainer.nproc=1"], "trainer.nproc", "1", "at least 2 processes"),
+    (["sync=localsgd", "sync.k_steps=0"], "sync.k_steps", "0", "an integer >= 1"),
+    (["sync=localsgd", "sync.begin_step=-1"], "sync.begin_step", "-1", "a step >= 0"),
+    (
+        ["sync=adaptive_localsgd", "sync.init_k_steps=8", "sync.max_k_steps=4"],
+        "sync.max_k_steps",
+        "4",
+        ">= sync.init_k_steps",
+    ),
+    (["sync=sgp", "trainer.nproc=1"], "trainer.nproc", "1", "at least 2 processes"),
+    (["sync=sgp", "sync.peers_per_itr=2"], "sync.peers_per_itr", "2", "fewer than the world size"),
+    (["sync=crossover", "trainer.nproc=4", "sync.group_size=3"], "sync.group_size", "3", "a divisor of the world size"),
+    (["sync=crossover", "sync.segments=999999999"], "sync.segments", "999999999", "an integer in [1,"),
+    (
+        ["sync=crossover", "model=test_vit", "sync.segments=coarse"],
+        "sync.segments",
+        "coarse",
+        "an integer for test_vit",
+    ),
     (["straggler=sleep", "straggler.ranks=[5]"], "straggler.ranks", "[5]", "ranks in [0, 1]"),
     (["straggler=sleep", "straggler.slowdown=0.5"], "straggler.slowdown", "0.5", "a factor >= 1"),
 ]
@@ -108,7 +126,7 @@ def test_unknown_group_option_lists_the_options(tmp_path):
     result = run_cli("sync=nope", f"hydra.run.dir={tmp_path}")
     assert result.returncode != 0
     assert "Could not find 'sync/nope'" in result.stderr
-    assert re.search(r"Available options in .sync.:\s+allreduce", result.stderr)
+    assert re.search(r"Available options in .sync.:(\s+\w+)*\s+allreduce\s", result.stderr)
 
 
 def test_apex_error_says_what_is_missing_and_suggests_torch():

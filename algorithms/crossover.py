@@ -1,0 +1,197 @@
+"""Crossover-SGD: gossip each segment of the model with a different peer, on a load-balanced random topology.
+
+Crossover-SGD: A gossip-based communication in distributed deep learning for alleviating large mini-batch
+problem and enhancing scalability (Yeo, Bae, Jeong, Kim, Lee; arXiv 2012.15198). Plain gossip spreads model
+updates slowly because each step mixes a whole replica with a single peer. Crossover-SGD splits the model
+into segments (``coarse``: stem, each ResNet stage, head; ``fine``: stem, every residual block, head; or N
+equal chunks of the flat parameters, for any model) and mixes each segment with a different peer: for every
+(round, segment) all ranks draw the same random permutation without fixed points from a shared seed, so
+every rank sends exactly one and receives exactly one copy of each segment and sets
+``p = 1/2 (own + received)``. Bytes per rank per round: S, whatever N. Hierarchical mode (``group_size`` > 1)
+averages inside groups of consecutive ranks, gossips among the group leaders, and broadcasts back, which caps
+the number of gossiping workers. ``sync_grad`` gossips gradients (before the optimizer step) instead of
+parameters; ``load_balanced=false`` sends every segment to the same exponential-graph peer (the paper's
+ablation).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from algorithms.base import SyncContext, SyncReport
+from algorithms.gossip import Gossip
+from algorithms.topology import ExponentialGraph, LoadBalancedRandom
+
+_STAGE = re.compile(r"^(layer\d+)\.(\d+)\.")
+
+
+def segment_key(name: str, mode: str) -> str | None:
+    """The segment of a ResNet-style parameter name (timm/torchvision naming), or None if it has none."""
+    if name.startswith(("conv1.", "bn1.")):
+        return "stem"
+    if name.startswith("fc."):
+        return "head"
+    match = _STAGE.match(name)
+    if match:
+        return match.group(1) if mode == "coarse" else f"{match.group(1)}.{match.group(2)}"
+    return None
+
+
+def segment_ranges(model: nn.Module, segments: str | int) -> list[tuple[str, int, int]]:
+    """``(name, start, end)`` ranges over the flat parameter vector (``torch.cat`` of ``model.parameters()``)."""
+    named = [(n, p.numel()) for n, p in model.named_parameters()]
+    total = sum(size for _, size in named)
+    if isinstance(segments, int):
+        bounds = [round(i * total / segments) for i in range(segments + 1)]
+        return [(f"chunk{i}", bounds[i], bounds[i + 1]) for i in range(segments)]
+    ranges: list[tuple[str, int, int]] = []
+    offset = 0
+    for name, size in named:
+        key = segment_key(name, segments)
+        if key is None:
+            raise ValueError(f"parameter {name!r} is in no {segments} segment")
+        if ranges and ranges[-1][0] == key:
+            ranges[-1] = (key, ranges[-1][1], offset + size)
+        elif any(r[0] == key for r in ranges):
+            raise ValueError(f"segment {key!r} is not contiguous in the parameter order")
+        else:
+            ranges.append((key, offset, offset + size))
+        offset += size
+    return ranges
+
+
+class Crossover(Gossip):
+    """``sync=crossover``."""
+
+    name = "crossover"
+
+    def __init__(
+        self,
+        segments: str | int = "coarse",
+        load_balanced: bool = True,
+        group_size: int = 1,
+        period: int = 1,
+        sync_grad: bool = False,
+        consensus_every: int = 10,
+        seed: int = 0,
+    ):
+        super().__init__(period, consensus_every)
+        self.segments, self.load_balanced, self.group_size = segments, load_balanced, group_size
+        self.sync_grad, self.seed = sync_grad, seed
+
+    @classmethod
+    def validate(cls, sync_cfg: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        from engine.config import ConfigError
+        from models.factory import create_model
+
+        super().validate(sync_cfg, cfg, world_size)
+        g = sync_cfg["group_size"]
+        if not (isinstance(g, int) and g >= 1 and world_size % g == 0 and world_size // g >= 2):
+            raise ConfigError(
+                "sync.group_size", g, f"a divisor of the world size {world_size} leaving >= 2 groups (1 = flat)"
+            )
+        s = sync_cfg["segments"]
+        model = create_model(cfg["model"]["name"], 10, kwargs=cfg["model"].get("kwargs"))
+        numel = sum(p.numel() for p in model.parameters())
+        if isinstance(s, int) and not isinstance(s, bool):
+            if not 1 <= s <= numel:
+                raise ConfigError("sync.segments", s, f"coarse, fine, or an integer in [1, {numel}] (parameters)")
+        elif s in ("coarse", "fine"):
+            try:
+                segment_ranges(model, s)
+            except ValueError as exc:
+                raise ConfigError(
+                    "sync.segments", s, f"an integer for {cfg['model']['name']}: coarse/fine need ResNet stages ({exc})"
+                ) from exc
+        else:
+            raise ConfigError("sync.segments", s, "coarse, fine, or a number of equal chunks")
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: SyncContext) -> nn.Module:
+        super().setup(model, optimizer, ctx)
+        self.ranges = segment_ranges(model, self.segments)
+        self._build_groups()
+        return model
+
+    def on_membership_change(self) -> None:
+        self._build_groups()
+
+    def _build_groups(self) -> None:
+        m = self.ctx.membership
+        g = self.group_size
+        self.groups = [m.ranks[i : i + g] for i in range(0, m.size, g)]
+        self.leaders = [group[0] for group in self.groups]
+        self.my_group = next(group for group in self.groups if m.rank in group)
+        self.subgroup = None
+        if g > 1:
+            for group in self.groups:  # every rank creates every subgroup, in the same order
+                pg = dist.new_group(group)
+                if m.rank in group:
+                    self.subgroup = pg
+        n = len(self.leaders)
+        self.topology = LoadBalancedRandom(n, self.seed) if self.load_balanced else ExponentialGraph(n)
+
+    # ---- the round ---------------------------------------------------------------------------------------------
+    def gossip(self, step: int) -> dict[str, Any]:
+        if self.sync_grad:
+            return {}
+        flat = self.flat_parameters()
+        events = self._round(flat, step)
+        self.set_flat_parameters(flat)
+        return {"events": events}
+
+    def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
+        if not self.sync_grad or step % self.period:
+            return SyncReport(grads_finite=grads_finite)
+        params = [p for p in self.model.parameters()]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        events = self._round(flat, step)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        # Gradients are mixed, not agreed: each rank steps (or skips) on its own verdict.
+        return SyncReport(grads_finite=grads_finite and bool(torch.isfinite(flat).all()), events=events)
+
+    def after_optimizer_step(self, step: int) -> SyncReport:
+        if self.sync_grad:  # the round ran on the gradients; only measure
+            report = SyncReport()
+            if step % self.consensus_every == 0:
+                report.extra.update(self.consensus())
+            return report
+        return super().after_optimizer_step(step)
+
+    def _round(self, flat: torch.Tensor, step: int) -> list[dict[str, Any]]:
+        """Mix ``flat`` in place: average in the group, crossover among leaders, broadcast in the group."""
+        m, comm = self.ctx.membership, self.ctx.comm
+        round_ = step // self.period
+        if self.subgroup is not None:
+            comm.all_reduce(flat, group=self.subgroup)
+            flat.div_(len(self.my_group))
+        if m.rank in self.leaders:
+            me = self.leaders.index(m.rank)
+            sends, recvs, received = [], [], []
+            for s, (_, lo, hi) in enumerate(self.ranges):
+                buf = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
+                received.append(buf)
+                recvs.append((buf, self.leaders[self.topology.in_peers(me, round_, s)[0]]))
+                sends.append((flat[lo:hi].clone(), self.leaders[self.topology.out_peers(me, round_, s)[0]]))
+            comm.exchange(sends, recvs, mean_fraction=len(self.leaders) / m.size)
+            for (_, lo, hi), buf in zip(self.ranges, received):
+                flat[lo:hi].add_(buf).mul_(0.5)
+        if self.subgroup is not None:
+            comm.broadcast(flat, src=self.my_group[0], group=self.subgroup)
+        if step % self.consensus_every:
+            return []
+        mapping = {
+            name: {
+                str(self.leaders[i]): self.leaders[self.topology.out_peers(i, round_, s)[0]]
+                for i in range(len(self.leaders))
+            }
+            for s, (name, _, _) in enumerate(self.ranges)
+        }
+        return [{"event": "gossip", "round": round_, "senders_to_receivers": mapping}]

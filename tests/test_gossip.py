@@ -1,0 +1,124 @@
+"""sync=sgp and sync=crossover: push-sum preserves the mean, crossover is load-balanced, bytes are S per rank
+whatever N, and both train to near allreduce accuracy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import records, train
+
+from algorithms.topology import ExponentialGraph, LoadBalancedRandom, Ring
+
+FAST = ["model=test_resnet", "logger=none", "trainer.progress=false"]
+TEST_RESNET_BYTES = 4 * 373_658
+
+
+def test_topologies_are_permutations():
+    for n in (2, 3, 4, 7):
+        for topo in (ExponentialGraph(n), Ring(n), LoadBalancedRandom(n, seed=3)):
+            for step in range(6):
+                for segment in range(3):
+                    outs = [topo.out_peers(r, step, segment)[0] for r in range(n)]
+                    assert sorted(outs) == list(range(n))  # everyone receives exactly once
+                    assert all(o != r for r, o in enumerate(outs))  # never itself
+                    assert all(topo.in_peers(o, step, segment) == [r] for r, o in enumerate(outs))
+    assert [ExponentialGraph(8).out_peers(0, t)[0] for t in range(4)] == [1, 2, 4, 1]
+    lb = LoadBalancedRandom(8, seed=0)
+    assert lb.mapping(0, 0) == LoadBalancedRandom(8, seed=0).mapping(0, 0)  # shared seed: same on every rank
+    assert len({tuple(lb.mapping(0, s)) for s in range(6)}) > 1  # segments go to different peers
+
+
+def test_segments_of_a_resnet():
+    import timm
+
+    from algorithms.crossover import segment_ranges
+
+    model = timm.create_model("resnet50", num_classes=10)
+    total = sum(p.numel() for p in model.parameters())
+    coarse = segment_ranges(model, "coarse")
+    assert [name for name, _, _ in coarse] == ["stem", "layer1", "layer2", "layer3", "layer4", "head"]
+    fine = segment_ranges(model, "fine")
+    assert len(fine) == 1 + 3 + 4 + 6 + 3 + 1  # stem, every bottleneck block, head
+    for ranges in (coarse, fine, segment_ranges(model, 7)):
+        assert ranges[0][1] == 0 and ranges[-1][2] == total
+        assert all(a[2] == b[1] for a, b in zip(ranges, ranges[1:]))  # contiguous, covering everything once
+
+
+def test_sgp_gossip_converges_to_the_exact_initial_average(tmp_path):
+    from _workers import gossip_from_spread_replicas
+
+    train(
+        tmp_path, *FAST, "data=synthetic", "sync=sgp", "trainer.nproc=4", "trainer.max_steps=12",
+        "schedule.warmup_epochs=0", "optimizer.weight_decay=0", entrypoint=gossip_from_spread_replicas,
+    )  # fmt: skip
+    logs = [json.loads((tmp_path / f"gossip_rank{r}.json").read_text()) for r in range(4)]
+    for log in logs:
+        assert all(e["weight_sum"] == pytest.approx(4.0, abs=1e-9) for e in log)  # push-sum weights sum to N
+        assert log[0]["error"] > 1e-2  # after one step the replicas are still apart...
+        assert log[-1]["error"] < 1e-5  # ...and gossip alone brings each to the initial average
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("sync", ["sgp", "crossover"])
+def test_bytes_per_step_are_the_model_bytes_whatever_n(tmp_path, sync, n):
+    _, metrics = train(tmp_path, *FAST, "data=synthetic", f"sync={sync}", f"trainer.nproc={n}", "trainer.max_steps=3")
+    push_sum_weight = 4 if sync == "sgp" else 0  # SGP's message carries the 4-byte push-sum weight
+    for r in records(metrics, "train"):
+        assert r["bytes_sent"] == TEST_RESNET_BYTES + push_sum_weight
+    assert records(metrics, "train")[0]["consensus_bytes"] > 0  # measured apart from bytes_sent
+
+
+def test_crossover_sends_and_receives_one_copy_of_every_segment(tmp_path):
+    from _workers import crossover_watch
+
+    train(
+        tmp_path, *FAST, "data=synthetic", "sync=crossover", "sync.segments=fine", "trainer.nproc=4",
+        "trainer.max_steps=4", entrypoint=crossover_watch,
+    )  # fmt: skip
+    logs = [json.loads((tmp_path / f"crossover_rank{r}.json").read_text()) for r in range(4)]
+    num_segments = logs[0]["segments"]
+    assert num_segments == 6  # fine: stem, test_resnet's 4 residual blocks, head
+    for rnd in range(4):
+        received_from = {}
+        for rank, log in enumerate(logs):
+            exchange = log["rounds"][rnd]
+            assert len(exchange["sends"]) == len(exchange["recvs"]) == num_segments
+            assert all(peer != rank for _, peer in exchange["sends"] + exchange["recvs"])
+            assert [size for size, _ in exchange["sends"]] == [size for size, _ in exchange["recvs"]]
+            for s, (_, peer) in enumerate(exchange["sends"]):
+                received_from.setdefault((s, peer), []).append(rank)
+        # every rank received exactly one copy of every segment
+        assert sorted(received_from) == [(s, r) for s in range(num_segments) for r in range(4)]
+        assert all(len(senders) == 1 for senders in received_from.values())
+
+
+def test_crossover_hierarchical_keeps_groups_identical(tmp_path):
+    from _workers import crossover_watch
+
+    train(
+        tmp_path, *FAST, "data=synthetic", "sync=crossover", "sync.group_size=2", "trainer.nproc=4",
+        "trainer.max_steps=4", entrypoint=crossover_watch,
+    )  # fmt: skip
+    logs = [json.loads((tmp_path / f"crossover_rank{r}.json").read_text()) for r in range(4)]
+    assert all(all(log["same_in_group"]) for log in logs)
+    assert [len(log["rounds"]) for log in logs] == [4, 0, 4, 0]  # only the leaders (0 and 2) gossip
+
+
+def test_gossip_trains_close_to_allreduce_and_consensus_tightens(tmp_path):
+    common = [*FAST, "data=digits", "trainer.nproc=4", "trainer.epochs=4", "sync.consensus_every=2"]
+    top1 = {}
+    for sync in ("allreduce", "sgp", "crossover"):
+        overrides = common if sync != "allreduce" else [o for o in common if not o.startswith("sync.")]
+        summary, metrics = train(tmp_path / sync, *overrides, f"sync={sync}")
+        top1[sync] = summary["top1"]
+        if sync == "allreduce":
+            continue
+        distances = [(r["lr"], r["consensus_distance"]) for r in records(metrics, "train") if "consensus_distance" in r]
+        peak = max(range(len(distances)), key=lambda i: distances[i][1])
+        assert distances[-1][1] < 0.5 * distances[peak][1]  # as the LR decays, the replicas close in
+        assert distances[-1][0] < distances[peak][0]
+        ev = records(metrics, "eval")[-1]
+        assert "replica_top1" in ev
+    assert top1["sgp"] >= top1["allreduce"] - 5.0
+    assert top1["crossover"] >= top1["allreduce"] - 5.0
