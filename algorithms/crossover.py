@@ -128,10 +128,9 @@ class Crossover(Gossip):
         self.my_group = next(group for group in self.groups if m.rank in group)
         self.subgroup = None
         if g > 1:
-            for group in self.groups:  # every rank creates every subgroup, in the same order
-                pg = dist.new_group(group)
-                if m.rank in group:
-                    self.subgroup = pg
+            # Only the members create their group: ranks evicted by relaxed sync (sync.inner=crossover) are
+            # never waited for.
+            self.subgroup = dist.new_group(self.my_group, use_local_synchronization=True)
         n = len(self.leaders)
         self.topology = LoadBalancedRandom(n, self.seed) if self.load_balanced else ExponentialGraph(n)
 

@@ -142,3 +142,12 @@ def test_a_worker_that_dies_still_ends_the_run_with_an_error(tmp_path):
     with pytest.raises(ChildFailedError) as info:
         train(tmp_path, *RELAXED, "trainer.timeout_s=120", entrypoint=die_mid_run)
     assert "worker died at step 3" in info.value.format_msg()
+
+
+def test_relaxed_composes_with_another_exchange(tmp_path):
+    """sync.inner is any algorithm: here the survivors of an eviction go on gossiping (crossover)."""
+    summary, metrics = train(tmp_path, *RELAXED, "sync@sync.inner=crossover")
+    (evict,) = _evictions(metrics)
+    assert evict["ranks"] == [2] and evict["epoch"] == 2
+    assert {r["world_size"] for r in records(metrics, "train") if r["epoch"] >= 2} == {2}
+    assert summary["world_size"] == 2 and summary["top1"] > 50.0
