@@ -136,7 +136,7 @@ class Crossover(Gossip):
 
     # ---- the round ---------------------------------------------------------------------------------------------
     def gossip(self, step: int) -> dict[str, Any]:
-        if self.sync_grad:
+        if self.sync_grad:  # the round ran on the gradients in after_backward
             return {}
         flat = self.flat_parameters()
         events = self._round(flat, step)
@@ -155,14 +155,6 @@ class Crossover(Gossip):
             offset += p.numel()
         # Gradients are mixed, not agreed: each rank steps (or skips) on its own verdict.
         return SyncReport(grads_finite=grads_finite and bool(torch.isfinite(flat).all()), events=events)
-
-    def after_optimizer_step(self, step: int) -> SyncReport:
-        if self.sync_grad:  # the round ran on the gradients; only measure
-            report = SyncReport()
-            if step % self.consensus_every == 0:
-                report.extra.update(self.consensus())
-            return report
-        return super().after_optimizer_step(step)
 
     def _round(self, flat: torch.Tensor, step: int) -> list[dict[str, Any]]:
         """Mix ``flat`` in place: average in the group, crossover among leaders, broadcast in the group."""

@@ -87,7 +87,7 @@ class LocalSGD(SyncAlgorithm):
         extra: dict[str, float] = {"k_steps": self.k_steps}
         events: list[dict[str, Any]] = []
         if step + 1 >= self.next_sync:
-            extra.update(self.average(step))
+            extra.update(self.average())
             events = self.on_sync(step, extra)
             self.next_sync = step + 1 + self.k_steps
         return SyncReport(extra=extra, events=events)
@@ -100,7 +100,7 @@ class LocalSGD(SyncAlgorithm):
         """Extra scalars to average with the parameters (appended to the same allreduce)."""
         return []
 
-    def average(self, step: int | None = None) -> dict[str, float]:
+    def average(self) -> dict[str, float]:
         """Average parameters (+ buffers, + momentum) over the active ranks in one allreduce; return this rank's
         L2 distance to the average just before it."""
         comm = self.ctx.comm

@@ -80,6 +80,7 @@ class Trainer:
 
         # Position in the run; overwritten by a resumed checkpoint.
         self.epoch, self.step, self.step_in_epoch = 0, 0, 0
+        self._agreed_at_step: int | None = None  # the step at which sync.before_eval() last ran
         self.last_eval: dict[str, Any] | None = None
         resume_path = ckpt.resolve_resume(t["resume"], run_dir)
         state = ckpt.load(resume_path) if resume_path else None
@@ -131,10 +132,11 @@ class Trainer:
     def rebuild_loaders(self, train: bool) -> None:
         """After the active ranks changed: the val loader always, the train loader if ``train`` (takes effect at
         the start of the next epoch when called mid-epoch)."""
-        m, d = self.membership, self.cfg["data"]
-        self.val_loader = val_loader(self.data.val, self.batch_size, d["num_workers"], m.size, m.index)
         if train:
             self.build_loaders()
+            return
+        m, d = self.membership, self.cfg["data"]
+        self.val_loader = val_loader(self.data.val, self.batch_size, d["num_workers"], m.size, m.index)
 
     def _sync_state_path(self, checkpoint_path: str) -> str:
         return os.path.join(os.path.dirname(checkpoint_path), f"sync_rank{self.rank}.pt")
@@ -339,8 +341,7 @@ class Trainer:
             # Each rank's own replica on its shard: an unbiased estimate of the replicas' mean accuracy.
             loss_sum, top1, top5, count = self._eval_sums()
             extra = {"replica_loss": loss_sum / count, "replica_top1": 100.0 * top1 / count}
-        self.sync.before_eval()
-        self.comm.take()
+        self._bring_replicas_together()
         loss_sum, top1, top5, count = self._eval_sums()
         result = {
             "kind": "eval",
@@ -361,9 +362,15 @@ class Trainer:
         )
         return result
 
+    def _bring_replicas_together(self) -> None:
+        """``sync.before_eval()`` once per step: a checkpoint right after an evaluation reuses its agreement."""
+        if self._agreed_at_step != self.step:
+            self.sync.before_eval()
+            self.comm.take()
+            self._agreed_at_step = self.step
+
     def save_checkpoint(self) -> str | None:
-        self.sync.before_eval()
-        self.comm.take()
+        self._bring_replicas_together()
         path = os.path.join(ckpt.checkpoint_dir(self.run_dir), ckpt.LAST)
         if self.sync.per_rank_state:
             ckpt.save_atomic({"sync": self.sync.state_dict(), "step": self.step}, self._sync_state_path(path))
