@@ -45,6 +45,26 @@ def keep_count(numel: int, sparsity: float) -> int:
     return max(1, math.ceil(round(numel * (1.0 - sparsity), 6)))
 
 
+BLOCK = 64  # entries per block when scanning for candidates, see above()
+
+
+def above(v: torch.Tensor, threshold: float, expected_fraction: float = 1.0) -> torch.Tensor:
+    """Ascending indices of the entries of ``v`` with ``|v| >= threshold``.
+
+    When few entries are expected to pass (``expected_fraction``, so that most blocks of 64 hold none), only
+    the blocks whose max or min reaches the threshold are compared entry by entry: two fast reductions instead
+    of a full ``abs``, compare and ``nonzero`` over the tensor (2.3x faster on CPU at sparsity 0.999)."""
+    n = v.numel()
+    if expected_fraction * BLOCK > 0.25 or n < 2 * BLOCK:
+        return (v.abs() >= threshold).nonzero().view(-1)
+    full = n // BLOCK * BLOCK
+    head = v[:full].view(-1, BLOCK)
+    blocks = ((head.amax(1) >= threshold) | (head.amin(1) <= -threshold)).nonzero().view(-1)
+    rows, cols = (head[blocks].abs() >= threshold).nonzero(as_tuple=True)
+    tail = (v[full:].abs() >= threshold).nonzero().view(-1) + full
+    return torch.cat([blocks[rows] * BLOCK + cols, tail])
+
+
 def select(
     v: torch.Tensor, sparsity: float, sample_ratio: float, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, int]:
@@ -57,19 +77,18 @@ def select(
     k = keep_count(n, sparsity)
     if k >= n:
         return torch.arange(n, device=v.device), k
-    magnitude = v.abs()
     # The sample must hold enough entries above the threshold for a stable estimate (>= 16 expected), which
     # for extreme sparsity means more than sample_ratio of a small tensor.
     m = min(n, max(math.ceil(n * sample_ratio), math.ceil(16 / (1.5 * (1.0 - sparsity)))))
-    sample = magnitude[torch.randint(n, (m,), device=v.device, generator=generator)]
+    sample = v[torch.randint(n, (m,), device=v.device, generator=generator)].abs()
     ranked = sample.topk(min(m, max(1, math.ceil(3.0 * m * (1.0 - sparsity)))), sorted=True).values
     for factor in (1.5, 3.0):  # aim at ~1.5 k candidates; if the estimate fell short, lower the threshold once
         position = min(ranked.numel(), max(1, math.ceil(factor * m * (1.0 - sparsity))))
-        candidates = (magnitude >= ranked[position - 1]).nonzero().view(-1)
+        candidates = above(v, float(ranked[position - 1]), factor * (1.0 - sparsity))
         if candidates.numel() >= k:
             break
     if candidates.numel() > k:
-        top = magnitude[candidates].topk(k, sorted=False).indices
+        top = v[candidates].abs().topk(k, sorted=False).indices
         candidates = candidates[top]
     return candidates, k
 
@@ -161,6 +180,9 @@ class DGC(SyncAlgorithm):
         device = ctx.device
         self.u = torch.zeros(numel_c, device=device)  # momentum of the compressed tensors
         self.v = torch.zeros(numel_c, device=device)  # residual: accumulated, not yet sent
+        # The averaged sparse update, reused every step (a fresh buffer of the model's size costs page faults on
+        # every step on CPU); the compressed parameters' grads are views of it.
+        self._update = torch.zeros_like(self.v)
         self.u_dense = {i: torch.zeros_like(params[i]) for i in range(len(params))}  # dense-path momentum
         self.num_params = sum(p.numel() for p in params)
         self.generator = torch.Generator(device=device).manual_seed(1234 + ctx.membership.rank)
@@ -203,14 +225,18 @@ class DGC(SyncAlgorithm):
 
         # 2) Compressed tensors: momentum correction, accumulation, selection, sparse allgather.
         start = time.perf_counter()
-        g_c = torch.cat([grads[i].reshape(-1) for i in self.compressed])
-        self.u.mul_(self.momentum).add_(g_c)
+        for j, i in enumerate(self.compressed):
+            u = self.u[self.offsets[j] : self.offsets[j + 1]]
+            torch.add(grads[i].reshape(-1), u, alpha=self.momentum, out=u)  # u = m * u + g, in one pass
         self.v.add_(self.u)
         indices, values, k_total, sent = self._compress(sparsity)
         compress_s = time.perf_counter() - start
-        all_values = comm.all_gather(values)
-        all_indices = comm.all_gather(indices)
-        update = torch.zeros_like(self.v)
+        # Values and indices travel in one allgather, as bytes.
+        value_bytes = values.numel() * values.element_size()
+        gathered = comm.all_gather(torch.cat([values.view(torch.uint8), indices.view(torch.uint8)]))
+        all_values = [g[:value_bytes].view(values.dtype) for g in gathered]
+        all_indices = [g[value_bytes:].view(torch.int32) for g in gathered]
+        update = self._update.zero_()  # grads were read above, so backward may have accumulated into these views
         update.index_add_(0, torch.cat(all_indices).long(), torch.cat(all_values).float())
         update.div_(n)
         for j, i in enumerate(self.compressed):
@@ -228,11 +254,14 @@ class DGC(SyncAlgorithm):
         return SyncReport(compute_end=compute_end, extra=extra)
 
     def _grad(self, i: int) -> torch.Tensor:
+        """The local gradient with weight decay added (DGC's weight-decay correction: before accumulation), in
+        place: the parameter's ``.grad`` is replaced by the exchanged update afterwards anyway."""
         p = self.params[i]
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if p.grad is None:
+            return p.detach().mul(self.weight_decay[i])
         if self.weight_decay[i]:
-            g = g.add(p.detach(), alpha=self.weight_decay[i])  # weight-decay correction: before accumulation
-        return g
+            p.grad.add_(p.detach(), alpha=self.weight_decay[i])
+        return p.grad
 
     @staticmethod
     def _clip(grads: list[torch.Tensor], max_norm: float) -> None:

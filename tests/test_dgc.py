@@ -10,7 +10,7 @@ import torch
 from conftest import load_model_state, records, train
 
 from algorithms.base import SyncContext
-from algorithms.dgc import DGC, keep_count, select, sparsity_at
+from algorithms.dgc import DGC, above, keep_count, select, sparsity_at
 from algorithms.membership import Membership
 
 FAST = ["model=test_resnet", "data=digits", "logger=none", "trainer.progress=false", "trainer.nproc=2"]
@@ -64,6 +64,18 @@ def test_select_takes_the_largest_magnitudes():
     exact = set(v.abs().topk(k).indices.tolist())
     assert len(exact & set(chosen.tolist())) >= 0.9 * chosen.numel()
     assert chosen.numel() == k  # the sampled threshold let enough candidates through
+
+
+@pytest.mark.parametrize("n", [1, 127, 128, 129, 4096, 100_003])
+@pytest.mark.parametrize("quantile", [0.0, 0.5, 0.999, 0.99999])
+def test_block_scan_finds_exactly_the_entries_above_the_threshold(n, quantile):
+    """The block scan (taken when few entries are expected) returns what a full compare returns, tail included."""
+    v = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    v[-1] = -v.abs().max() - 1.0  # the largest magnitude is negative and sits in the tail (n % 64 entries)
+    threshold = float(v.abs().quantile(quantile))
+    expected = (v.abs() >= threshold).nonzero().view(-1)
+    assert torch.equal(above(v, threshold, expected_fraction=1e-4), expected)
+    assert torch.equal(above(v, threshold), expected)
 
 
 def test_dgc_takes_over_momentum_and_weight_decay():
