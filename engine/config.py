@@ -13,6 +13,7 @@ from hydra.utils import get_class
 SCHEDULES = ("cosine", "poly", "step")
 OPTIMIZERS = ("sgd", "momentum", "lars")
 DEVICES = ("auto", "cpu", "cuda")
+NETDEV_DIR = "/sys/class/net"
 
 
 class ConfigError(ValueError):
@@ -88,6 +89,16 @@ def validate(cfg: dict[str, Any]) -> None:
             "trainer.resume",
             resume,
             "null, auto, or the path of an existing checkpoint file",
+        )
+
+    dev = t.get("netdev")
+    if dev is not None:
+        devices = sorted(os.listdir(NETDEV_DIR)) if os.path.isdir(NETDEV_DIR) else []
+        _check(
+            isinstance(dev, str) and dev in devices,
+            "trainer.netdev",
+            dev,
+            f"null or a network interface of this machine ({', '.join(devices) or 'none found'})",
         )
 
     _validate_optimizer(cfg["optimizer"])

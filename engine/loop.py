@@ -24,7 +24,7 @@ from algorithms.comm import Communicator
 from algorithms.membership import Membership
 from data.common import build_data, steps_per_epoch, train_loader, val_loader
 from engine import checkpoint as ckpt
-from engine.metrics import MetricsWriter
+from engine.metrics import MetricsWriter, NetdevCounter
 from engine.optim import LRSchedule, build_optimizer, effective_lr
 from models.factory import build_model, num_trainable_parameters
 
@@ -195,6 +195,7 @@ class Trainer:
     def fit(self) -> dict[str, Any] | None:
         t = self.cfg["trainer"]
         epochs_this_run = 0
+        self.netdev = NetdevCounter(t["netdev"]) if t.get("netdev") else None
         train_start = time.perf_counter()
         while self.epoch < t["epochs"] and self.step < self.max_steps:
             epoch = self.epoch
@@ -285,6 +286,8 @@ class Trainer:
                 "data_s": data_s,
                 "step_s": end - tick,
             }
+            if self.netdev is not None:
+                record["wire_bytes"] = self.netdev.delta()  # this node's own, not a mean over ranks
             if not stepped:
                 record["skipped"] = True
             if self.amp.loss_scale != 1.0:

@@ -12,7 +12,28 @@ import os
 from typing import Any
 
 # Train-record keys that W&B files under comm/ rather than train/ (summary totals stay under summary/).
-COMM_KEYS = ("bytes_sent", "payload_bytes", "comm_s")
+COMM_KEYS = ("bytes_sent", "payload_bytes", "comm_s", "wire_bytes")
+
+
+class NetdevCounter:
+    """Bytes a network interface has sent since the previous reading (``trainer.netdev``).
+
+    Reads the kernel's counter, ``/sys/class/net/<name>/statistics/tx_bytes``: everything this machine (or
+    network namespace) sent on it, protocol headers and other processes included, so a check of ``bytes_sent``
+    against it is exact only with one worker per node and the interface used for nothing else."""
+
+    def __init__(self, name: str, root: str = "/sys/class/net"):
+        self.path = os.path.join(root, name, "statistics", "tx_bytes")
+        self._last = self._read()
+
+    def _read(self) -> int:
+        with open(self.path) as f:
+            return int(f.read())
+
+    def delta(self) -> int:
+        now = self._read()
+        delta, self._last = now - self._last, now
+        return delta
 
 
 class MetricsWriter:
