@@ -11,6 +11,13 @@ continue with identical parameters. Once the group has shrunk below ``relaxed_sy
 initial size, the train loader is rebuilt over the survivors and the learning rate rescaled; above it, as in
 CAC, the evicted ranks' shards are simply not trained on.
 
+What is measured is ``measure``. ``compute`` (CAC's) sees slow processes but not slow links: a rank whose
+network link is slow computes as fast as the others, and every rank waits alike in the allreduce. ``link``
+times a pairwise exchange of ``link_probe_bytes`` with every other active rank at each check (one pair per
+rank per round, rounds separated by barriers) and takes the *fastest* of a rank's exchanges: a transfer
+crosses both ends' links, so only a rank whose own link is slow is slow with every peer. Attributing a
+slow link needs three ranks or more (with two, both see the same one exchange).
+
 ``RelaxedSync`` is ``sync=relaxed``; ``RelaxedSyncDistributedDataParallel`` is the CAC-compatible API on the
 same machinery (``Relaxer``).
 """
@@ -36,6 +43,7 @@ from algorithms.membership import Membership
 
 REFERENCES = ("median", "mean", "min")
 LR_POLICIES = ("linear", "sqrt", "none")
+MEASURES = ("compute", "link")
 
 
 @dataclass
@@ -44,7 +52,7 @@ class Verdict:
 
     check: int
     ranks: list[int]  # the active ranks that were measured
-    times: list[float]  # their mean own compute time per step, seconds, in ``ranks`` order
+    times: list[float]  # their measured times (own compute per step, or link probe), seconds, in ``ranks`` order
     reference: float  # the reference time the threshold multiplies, seconds
     evicted: list[int]
 
@@ -141,6 +149,38 @@ class Relaxer:
         self.membership.replace(survivors, group)
 
 
+def round_robin(ranks: list[int]) -> list[list[tuple[int, int]]]:
+    """Rounds in which every pair of ``ranks`` meets exactly once and no rank is in two pairs of a round (the
+    circle method: one rank fixed, the others rotating; with an odd count, one rank sits each round out)."""
+    order: list[int | None] = list(ranks) + ([None] if len(ranks) % 2 else [])
+    n = len(order)
+    rounds = []
+    for _ in range(n - 1):
+        pairs = [(order[i], order[n - 1 - i]) for i in range(n // 2)]
+        rounds.append([(a, b) for a, b in pairs if a is not None and b is not None])
+        order = [order[0], order[-1], *order[1:-1]]
+    return rounds
+
+
+def link_time(comm: Communicator, nbytes: int) -> float:
+    """Collective over the active group: time an exchange of ``nbytes`` each way with every other active rank,
+    one pair at a time per rank, and return this rank's fastest (inf when it is alone)."""
+    me = comm.membership.rank
+    device = _device(comm)
+    send = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    recv = torch.empty_like(send)
+    times = []
+    for pairs in round_robin(comm.membership.ranks):
+        comm.barrier()  # a pair starts together, not when the slower of its previous pairs finished
+        peer = next((b if a == me else a for a, b in pairs if me in (a, b)), None)
+        if peer is None:
+            continue
+        start = time.perf_counter()
+        comm.exchange([(send, peer)], [(recv, peer)])
+        times.append(time.perf_counter() - start)
+    return min(times, default=math.inf)
+
+
 def _device(comm: Communicator) -> torch.device:
     backend = dist.get_backend(comm.group) if comm.group is not None else "gloo"
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -161,8 +201,11 @@ class RelaxedSync(SyncAlgorithm):
         check_every: str | int = "epoch",
         lr_policy: str = "linear",
         protect_rank0: bool = False,
+        measure: str = "compute",
+        link_probe_bytes: int = 1 << 20,
     ):
         self.inner = inner
+        self.measure, self.link_probe_bytes = measure, link_probe_bytes
         self.threshold = relaxed_sync_threshold
         self.mode_threshold = relaxed_sync_mode_threshold
         self.min_num_processes = min_num_processes
@@ -198,6 +241,11 @@ class RelaxedSync(SyncAlgorithm):
             raise ConfigError("sync.reference", sync_cfg["reference"], f"one of {', '.join(REFERENCES)}")
         if sync_cfg["lr_policy"] not in LR_POLICIES:
             raise ConfigError("sync.lr_policy", sync_cfg["lr_policy"], f"one of {', '.join(LR_POLICIES)}")
+        if sync_cfg["measure"] not in MEASURES:
+            raise ConfigError("sync.measure", sync_cfg["measure"], f"one of {', '.join(MEASURES)}")
+        b = sync_cfg["link_probe_bytes"]
+        if not (isinstance(b, int) and not isinstance(b, bool) and b >= 1):
+            raise ConfigError("sync.link_probe_bytes", b, "an integer number of bytes >= 1")
         c = sync_cfg["check_every"]
         if not (c == "epoch" or (isinstance(c, int) and not isinstance(c, bool) and c >= 1)):
             raise ConfigError("sync.check_every", c, "epoch, or a number of steps >= 1")
@@ -262,13 +310,24 @@ class RelaxedSync(SyncAlgorithm):
         m = self.ctx.membership
         own = statistics.fmean(self._times)
         self._times = []
+        if self.measure == "link":
+            own = link_time(self.ctx.comm, self.link_probe_bytes)
         verdict = self.relaxer.check(own)
-        if not verdict.evicted:
-            return SyncReport()
         times = {str(r): t for r, t in zip(verdict.ranks, verdict.times)}
+        check = {
+            "event": "relaxed_check",
+            "measure": self.measure,
+            "times": times,
+            "reference": verdict.reference,
+            "evicted": verdict.evicted,
+            "check": verdict.check,
+        }
+        if not verdict.evicted:
+            return SyncReport(events=[check])
+        what = "own compute" if self.measure == "compute" else "link probe"
         if not m.active:
             print(
-                f"relaxsync: rank {m.rank} evicted (own compute {own * 1e3:.1f} ms/step > "
+                f"relaxsync: rank {m.rank} evicted ({what} {own * 1e3:.1f} ms > "
                 f"{self.threshold:g} x reference {verdict.reference * 1e3:.1f} ms); exiting",
                 flush=True,
             )
@@ -285,14 +344,15 @@ class RelaxedSync(SyncAlgorithm):
             "threshold": self.threshold,
             "world_size": m.size,
             "check": verdict.check,
+            "measure": self.measure,
             "message": (
-                f"relaxsync: evicted rank(s) {verdict.evicted} "
-                f"({', '.join(f'{times[str(r)] * 1e3:.1f}' for r in verdict.evicted)} ms/step vs reference "
+                f"relaxsync: evicted rank(s) {verdict.evicted} by {what} "
+                f"({', '.join(f'{times[str(r)] * 1e3:.1f}' for r in verdict.evicted)} ms vs reference "
                 f"{verdict.reference * 1e3:.1f} ms, threshold {self.threshold:g}x); world size now {m.size}"
             ),
         }
         self.evictions.append({k: v for k, v in evict.items() if k != "message"})
-        events = [evict]
+        events = [check, evict]
         rebuild_train = fraction < self.mode_threshold
         if rebuild_train and mid_epoch:
             self._pending_train_rebuild = True  # the current epoch finishes on the old shards

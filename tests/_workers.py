@@ -194,3 +194,23 @@ def crossover_watch(cfg: dict, run_dir: str) -> None:
     _fit(trainer)
     with open(f"{run_dir}/crossover_rank{trainer.rank}.json", "w") as f:
         json.dump({"rounds": rounds, "same_in_group": same_in_group, "segments": len(sync.ranges)}, f)
+
+
+@record
+def slow_link_on_rank2(cfg: dict, run_dir: str) -> None:
+    """Rank 2's point-to-point transfers take 0.3 s longer, in both directions: its peers wait for its sends,
+    and it waits before receiving. Its compute is as fast as anyone's (a slow network link, not a slow host)."""
+    import time
+
+    from engine.loop import Trainer
+
+    trainer = Trainer(cfg, run_dir)
+    if trainer.rank == 2:
+        original = trainer.comm.exchange
+
+        def slow_exchange(sends, recvs, mean_fraction=1.0):
+            time.sleep(0.3)
+            return original(sends, recvs, mean_fraction)
+
+        trainer.comm.exchange = slow_exchange
+    _fit(trainer)

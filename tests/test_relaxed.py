@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, records, train
+from conftest import FAST, ROOT, records, train
 
 from algorithms.membership import Membership
-from algorithms.relaxed import decide, reference_time
+from algorithms.relaxed import decide, reference_time, round_robin
 from data.common import TrainSampler
 
 RELAXED = [
@@ -151,3 +151,39 @@ def test_relaxed_composes_with_another_exchange(tmp_path):
     assert evict["ranks"] == [2] and evict["epoch"] == 2
     assert {r["world_size"] for r in records(metrics, "train") if r["epoch"] >= 2} == {2}
     assert summary["world_size"] == 2 and summary["top1"] > 50.0
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_round_robin_meets_every_pair_once_with_one_pair_per_rank_per_round(n):
+    rounds = round_robin(list(range(10, 10 + n)))
+    pairs = [frozenset(p) for r in rounds for p in r]
+    assert sorted(map(sorted, pairs)) == sorted([a, b] for a in range(10, 10 + n) for b in range(a + 1, 10 + n))
+    for r in rounds:
+        busy = [x for p in r for x in p]
+        assert len(busy) == len(set(busy))
+    assert len(rounds) == (n - 1 if n % 2 == 0 else n)
+
+
+@pytest.mark.parametrize("measure", ["compute", "link"])
+def test_a_slow_link_is_seen_by_the_link_measure_only(tmp_path, measure):
+    """Rank 2's link is slow, its compute is not: CAC's compute measure keeps it (and everyone waits for it);
+    the link probe finds it, because it is slow with every peer while the others are fast with each other."""
+    from _workers import slow_link_on_rank2
+
+    _, metrics = train(
+        tmp_path, "sync=relaxed", f"sync.measure={measure}", "sync.check_every=3", "sync.link_probe_bytes=65536",
+        *FAST, "trainer.nproc=3", "trainer.max_steps=7", entrypoint=slow_link_on_rank2,
+    )  # fmt: skip
+    checks = [r for r in records(metrics, "event") if r["event"] == "relaxed_check"]
+    assert checks and all(c["measure"] == measure for c in checks)
+    (summary,) = records(metrics, "summary")
+    first = checks[0]["times"]
+    healthy = max(first["0"], first["1"])
+    if measure == "link":
+        assert first["2"] > 0.3 > 3 * healthy  # the probe saw the 0.3 s with every peer of rank 2, with none else
+        (evict,) = _evictions(metrics)
+        assert evict["ranks"] == [2] and evict["measure"] == "link" and evict["step"] == 3
+        assert summary["ranks"] == [0, 1]
+    else:
+        assert first["2"] < 3 * checks[0]["reference"]  # rank 2 computes as fast as the others
+        assert not _evictions(metrics) and summary["ranks"] == [0, 1, 2]
