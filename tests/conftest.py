@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
 # Small and fast on 2 CPU cores: a tiny timm model, no W&B, no progress bar.
+TEST_RESNET_PARAMS = 373_658  # trainable parameters of timm's test_resnet with 10 classes
 FAST = ["model=test_resnet", "data=synthetic", "logger=none", "trainer.progress=false"]
 
 os.environ.setdefault("WANDB_SILENT", "true")

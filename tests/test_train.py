@@ -11,12 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, ROOT, load_model_state, records, run_cli, train
+from conftest import FAST, ROOT, TEST_RESNET_PARAMS, load_model_state, records, run_cli, train
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from engine.metrics import read_metrics
-
-TEST_RESNET_PARAMS = 373_658  # trainable parameters of timm's test_resnet with 10 classes
 
 
 def test_allreduce_bytes_world_size_and_wandb_offline(tmp_path):

@@ -1,0 +1,413 @@
+"""Every sync algorithm on emulated slow links, as real multi-node torchrun jobs (needs root).
+
+    sudo make bench-network
+    python -m bench.network [--nodes 2] [--rates unlimited,1gbit,500mbit,200mbit,100mbit]
+                            [--algorithms allreduce,dgc,...] [--warmup 4] [--window 16] [--no-straggler]
+
+Each "node" is a network namespace with its own shaped link into a switch (``bench/netns.py``). For each link
+rate and each algorithm, one ``torchrun --nnodes N --nproc-per-node 1`` is started in every namespace, all
+meeting at a c10d rendezvous endpoint on the first node: the path a user takes on a real cluster. The job is
+``experiment=network`` (ResNet-10-T, digits at 76 px, batch 32 per node; its config explains why).
+
+Per cell: mean step time over ``--window`` steady-state steps after ``--warmup`` (a whole number of local SGD
+periods; a median would hide local SGD's averaging steps), samples/s, speedup over allreduce at the same rate,
+bytes sent per step as counted by the Communicator, and bytes the first rank's node actually sent on its
+interface over the same steps (``trainer.netdev``), so the accounting is checked against the wire.
+
+The straggler-link scenario: 3 nodes, one on a much slower link, allreduce vs relaxed sync measuring compute
+(CAC's measure) vs relaxed sync measuring links (``sync.measure=link``).
+
+Results: bench/results/network.jsonl (one line per run), network.md (the tables), network_step_time.png and
+network_speedup.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS, ROOT, machine, median
+from bench.netns import IFACE, EmulatedNetwork, parse_rate, unavailable
+from engine.metrics import read_metrics
+
+ALGORITHMS: dict[str, tuple[str, list[str]]] = {
+    # key: (column name, overrides)
+    "allreduce": ("allreduce", ["sync=allreduce"]),
+    "dgc": ("DGC", ["sync=dgc"]),
+    "localsgd4": ("local SGD k=4", ["sync=localsgd", "sync.begin_step=0", "sync.k_steps=4"]),
+    "localsgd16": ("local SGD k=16", ["sync=localsgd", "sync.begin_step=0", "sync.k_steps=16"]),
+    "adaptive_localsgd": ("adaptive (k0=4)", ["sync=adaptive_localsgd", "sync.begin_step=0", "sync.init_k_steps=4"]),
+    "sgp": ("SGP", ["sync=sgp"]),
+    "crossover": ("crossover", ["sync=crossover"]),
+}
+DEFAULT_RATES = "unlimited,1gbit,500mbit,200mbit,100mbit"
+FLEET_1G = {"dense_s": 2.45, "dgc_s": 0.375}  # Paddle's FasterRCNN, 2 machines, seconds per step
+STRAGGLER_RUNS: dict[str, list[str]] = {
+    "allreduce": ["sync=allreduce"],
+    "relaxed, measure=compute": ["sync=relaxed", "sync.measure=compute"],
+    "relaxed, measure=link": ["sync=relaxed", "sync.measure=link"],
+}
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+class CellFailed(RuntimeError):
+    pass
+
+
+def run_job(
+    net: EmulatedNetwork, overrides: list[str], steps: int, job_id: str, port: int, workdir: Path, timeout_s: float
+) -> dict[str, Any]:
+    """``train.py OVERRIDES`` as one job across all nodes of ``net`` (one torchrun per node, one worker each);
+    returns its metrics, the node logs and the bytes each node sent."""
+    run_dir = workdir / job_id
+    run_dir.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(GLOO_SOCKET_IFNAME=IFACE, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1")
+    train = [
+        "train.py", "logger=none", "trainer.progress=false", "trainer.checkpoint_every=0",
+        f"trainer.max_steps={steps}", f"trainer.run_dir={run_dir}", f"trainer.netdev={IFACE}", *overrides,
+    ]  # fmt: skip
+    tx_before = [net.tx_bytes(i) for i in range(net.nodes)]
+    procs, logs = [], []
+    start = time.perf_counter()
+    for node in range(net.nodes):
+        log_path = run_dir / f"node{node}.log"
+        logs.append(log_path)
+        launcher = [
+            TORCHRUN, "--nnodes", str(net.nodes), "--nproc-per-node", "1", "--max-restarts", "0",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{net.address(0)}:{port}", "--rdzv-id", job_id,
+            # the first node hosts the rendezvous store; addresses are the namespaces' own
+            "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", net.address(node),
+        ]  # fmt: skip
+        with open(log_path, "w") as log:
+            procs.append(net.popen(node, [*launcher, *train], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - start))) for p in procs]
+    except subprocess.TimeoutExpired:
+        net.stop_all()
+        raise CellFailed(f"{job_id}: no result after {timeout_s:.0f} s\n{_tail(logs)}") from None
+    wall_s = time.perf_counter() - start
+    net.stop_all()  # nothing left, but make sure
+    if any(codes):
+        raise CellFailed(f"{job_id}: exit codes {codes}\n{_tail(logs)}")
+    tx = [net.tx_bytes(i) - b for i, b in enumerate(tx_before)]
+    return {
+        "metrics": read_metrics(str(run_dir / "metrics.jsonl")),
+        "logs": [p.read_text() for p in logs],
+        "node_tx_bytes": tx,
+        "wall_s": wall_s,
+    }
+
+
+def _tail(logs: list[Path], lines: int = 15) -> str:
+    out = []
+    for path in logs:
+        text = path.read_text().splitlines() if path.exists() else []
+        out.append(f"--- {path.name} (last {lines} lines)\n" + "\n".join(text[-lines:]))
+    return "\n".join(out)
+
+
+def steady_state(metrics: list[dict[str, Any]], warmup: int, window: int) -> dict[str, Any]:
+    """Numbers over train steps [warmup, warmup + window)."""
+    steps = [r for r in metrics if r["kind"] == "train" and warmup <= r["step"] < warmup + window]
+    if len(steps) < window:
+        raise CellFailed(f"only {len(steps)} steady-state steps recorded, expected {window}")
+    step_s = sum(r["step_s"] for r in steps) / len(steps)
+    counted = sum(r["bytes_sent"] for r in steps)
+    wire = sum(r["wire_bytes"] for r in steps)
+    return {
+        "step_s": step_s,
+        "step_s_median": median(r["step_s"] for r in steps),
+        "samples_per_s": sum(r["samples_per_s"] * r["step_s"] for r in steps) / sum(r["step_s"] for r in steps),
+        "compute_s": median(r["compute_s"] for r in steps),
+        "comm_s": sum(r["comm_s"] for r in steps) / len(steps),
+        "bytes_per_step": counted / len(steps),
+        "wire_bytes_per_step": wire / len(steps),
+        "wire_over_counted": wire / counted if counted else None,
+        "mean_k": sum(r["k_steps"] for r in steps) / len(steps) if "k_steps" in steps[0] else None,
+    }
+
+
+# ---- the two scenarios --------------------------------------------------------------------------------------
+def links(args: argparse.Namespace, net: EmulatedNetwork, workdir: Path, emit) -> list[dict[str, Any]]:
+    cells = []
+    steps = args.warmup + args.window
+    for rate in args.rates:
+        net.shape(rate)
+        for key in args.algorithms:
+            name, overrides = ALGORITHMS[key]
+            job = f"n{args.nodes}-{rate}-{key}"
+            print(f"[{time.strftime('%H:%M:%S')}] {rate:>9}  {name}", flush=True)
+            cell = {"kind": "cell", "rate": rate, "algorithm": key, "name": name, "nodes": args.nodes}
+            try:
+                out = run_job(
+                    net, ["experiment=network", *overrides], steps, job, args.port + len(cells), workdir,
+                    args.cell_timeout,
+                )  # fmt: skip
+                cell.update(steady_state(out["metrics"], args.warmup, args.window))
+                cell.update(node_tx_bytes=out["node_tx_bytes"], wall_s=out["wall_s"])
+            except CellFailed as e:
+                print(f"  failed: {e}", flush=True)
+                cell["error"] = str(e)
+            cells.append(cell)
+            emit(cell)
+            if "error" not in cell:
+                print(
+                    f"  {cell['step_s']:.3f} s/step, {cell['samples_per_s']:.0f} samples/s, "
+                    f"{cell['bytes_per_step'] / 1e6:.3f} MB/step counted, wire/counted {cell['wire_over_counted']:.3f}",
+                    flush=True,
+                )
+    base = {c["rate"]: c for c in cells if c["algorithm"] == "allreduce" and "error" not in c}
+    for c in cells:
+        if "error" not in c and c["rate"] in base:
+            c["speedup"] = base[c["rate"]]["step_s"] / c["step_s"]
+    return cells
+
+
+def straggler(args: argparse.Namespace, workdir: Path, emit) -> list[dict[str, Any]]:
+    rates = args.straggler_rates
+    runs = []
+    with EmulatedNetwork(len(rates)) as net:
+        net.shape(rates)
+        slow_node = min(range(len(rates)), key=lambda i: parse_rate(rates[i]) or float("inf"))
+        for i, (name, overrides) in enumerate(STRAGGLER_RUNS.items()):
+            print(f"[{time.strftime('%H:%M:%S')}] straggler link {rates}: {name}", flush=True)
+            common = [f"sync.check_every={args.check_every}"] if "sync=relaxed" in overrides else []
+            run = {"kind": "straggler", "name": name, "rates": rates, "slow_node": slow_node}
+            try:
+                out = run_job(
+                    net, ["experiment=network", *overrides, *common], args.straggler_steps, f"straggler-{i}",
+                    args.port + 500 + i, workdir, args.cell_timeout,
+                )  # fmt: skip
+                run.update(straggler_summary(out, args.check_every))
+            except CellFailed as e:
+                print(f"  failed: {e}", flush=True)
+                run["error"] = str(e)
+            runs.append(run)
+            emit(run)
+            if "error" not in run:
+                print(
+                    f"  {run['step_s_before']:.3f} s/step before the first check, {run['step_s_after']:.3f} after; "
+                    f"evicted node(s): {run['evicted_nodes']}",
+                    flush=True,
+                )
+    return runs
+
+
+def straggler_summary(out: dict[str, Any], check_every: int) -> dict[str, Any]:
+    metrics = out["metrics"]
+    steps = [r for r in metrics if r["kind"] == "train"]
+    checks = [r for r in metrics if r["kind"] == "event" and r["event"] == "relaxed_check"]
+    evictions = [r for r in metrics if r["kind"] == "event" and r["event"] == "evict"]
+    before = [r["step_s"] for r in steps if 1 <= r["step"] < check_every]
+    after = [r["step_s"] for r in steps if r["step"] > check_every]
+    evicted_nodes = [i for i, log in enumerate(out["logs"]) if "evicted (" in log]
+    return {
+        "step_s_before": median(before),
+        "step_s_after": median(after),
+        "compute_s": median(r["compute_s"] for r in steps if r["step"] >= 1),
+        "first_check": {"times": checks[0]["times"], "reference": checks[0]["reference"]} if checks else None,
+        "evictions": [{"ranks": e["ranks"], "step": e["step"], "times": e["times"]} for e in evictions],
+        "evicted_nodes": evicted_nodes,
+        "final_world_size": steps[-1]["world_size"],
+        "wall_s": out["wall_s"],
+    }
+
+
+# ---- output -------------------------------------------------------------------------------------------------
+def tables(cells: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    keys = [k for k in args.algorithms]
+    names = [ALGORITHMS[k][0] for k in keys]
+    by = {(c["rate"], c["algorithm"]): c for c in cells}
+    head = "| link | " + " | ".join(names) + " |\n|---|" + "---|" * len(names)
+    out = [f"Seconds per step (speedup over allreduce at the same rate), {args.nodes} nodes:\n", head]
+    for rate in args.rates:
+        row = []
+        for k in keys:
+            c = by.get((rate, k), {})
+            row.append("failed" if "error" in c else f"{c['step_s']:.3f} ({c.get('speedup', float('nan')):.2f}x)")
+        out.append(f"| {rate} | " + " | ".join(row) + " |")
+    out.append(f"\nBytes sent per node per step, counted (wire/counted on the interface), {args.nodes} nodes:\n")
+    out.append(head)
+    for rate in args.rates:
+        row = []
+        for k in keys:
+            c = by.get((rate, k), {})
+            row.append("failed" if "error" in c else f"{_mb(c['bytes_per_step'])} ({c['wire_over_counted']:.3f})")
+        out.append(f"| {rate} | " + " | ".join(row) + " |")
+    return "\n".join(out) + "\n"
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.2f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} kB"
+
+
+def matched_tier(cells: list[dict[str, Any]], rate: str) -> dict[str, Any] | None:
+    """Our numbers at ``rate`` next to Fleet's 1G row."""
+    by = {c["algorithm"]: c for c in cells if c["rate"] == rate and "error" not in c}
+    if "allreduce" not in by:
+        return None
+    dense = by["allreduce"]
+    result = {
+        "rate": rate,
+        "compute_s": dense["compute_s"],
+        "dense_step_s": dense["step_s"],
+        "comm_over_compute": (dense["step_s"] - dense["compute_s"]) / dense["compute_s"],
+        "fleet_comm_over_compute": (FLEET_1G["dense_s"] - FLEET_1G["dgc_s"]) / FLEET_1G["dgc_s"],
+        "fleet_dgc_speedup": FLEET_1G["dense_s"] / FLEET_1G["dgc_s"],
+    }
+    if "dgc" in by:
+        result["dgc_speedup"] = by["dgc"]["speedup"]
+    return result
+
+
+def plot(cells: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shaped = [parse_rate(r) for r in args.rates if parse_rate(r) is not None]
+    unlimited_x = 4 * max(shaped) / 1e6 if shaped else 10_000.0  # where "unlimited" is drawn, Mbit/s
+    paths = []
+    for key, ylabel, fname in (
+        ("step_s", "seconds per step", "network_step_time.png"),
+        ("speedup", "speedup over allreduce", "network_speedup.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for alg in args.algorithms:
+            pts = sorted(
+                ((parse_rate(c["rate"]) or unlimited_x * 1e6) / 1e6, c[key])
+                for c in cells
+                if c["algorithm"] == alg and key in c
+            )
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=ALGORITHMS[alg][0])
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ticks = sorted({(parse_rate(r) or unlimited_x * 1e6) / 1e6 for r in args.rates})
+        ax.set_xticks(ticks)
+        ax.set_xticklabels(["unlimited" if t == unlimited_x else f"{t:g}" for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("link rate per node, Mbit/s (log)")
+        ax.set_ylabel(f"{ylabel} (log)")
+        ax.set_title(f"{ylabel} vs bandwidth, {args.nodes} nodes, ResNet-10-T, batch 32/node")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / fname
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=2, choices=(2, 3, 4))
+    parser.add_argument("--rates", default=DEFAULT_RATES, help="comma-separated link rates (tc units, or unlimited)")
+    parser.add_argument("--algorithms", default=",".join(ALGORITHMS), help=f"comma-separated: {', '.join(ALGORITHMS)}")
+    parser.add_argument("--warmup", type=int, default=4, help="steps left out at the start of each run")
+    parser.add_argument("--window", type=int, default=16, help="steady-state steps measured (a multiple of 16)")
+    parser.add_argument("--matched", default="100mbit", help="the rate whose row is matched to Fleet's 1G row")
+    parser.add_argument("--no-straggler", action="store_true", help="skip the straggler-link scenario")
+    parser.add_argument("--straggler-rates", default="1gbit,1gbit,100mbit", help="one link rate per node (3 nodes)")
+    parser.add_argument("--straggler-steps", type=int, default=25)
+    parser.add_argument("--check-every", type=int, default=5, help="relaxed sync's check period in the scenario")
+    parser.add_argument("--cell-timeout", type=float, default=600.0, help="seconds before a run counts as failed")
+    parser.add_argument("--port", type=int, default=29400, help="first rendezvous port (inside the namespaces)")
+    parser.add_argument("--out", default=str(RESULTS), help="results directory")
+    args = parser.parse_args(argv)
+    args.rates = [r.strip() for r in args.rates.split(",") if r.strip()]
+    args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    args.straggler_rates = [r.strip() for r in args.straggler_rates.split(",") if r.strip()]
+    for rate in [*args.rates, *args.straggler_rates]:
+        try:
+            parse_rate(rate)
+        except ValueError as e:
+            parser.error(str(e))
+    unknown = [a for a in args.algorithms if a not in ALGORITHMS]
+    if unknown:
+        parser.error(f"--algorithms: unknown {', '.join(unknown)}; expected some of {', '.join(ALGORITHMS)}")
+    if args.matched not in args.rates:
+        parser.error(f"--matched {args.matched}: not one of --rates ({', '.join(args.rates)})")
+    if "allreduce" not in args.algorithms:
+        parser.error("--algorithms: allreduce is needed (speedups are relative to it)")
+    if len(args.straggler_rates) != 3 and not args.no_straggler:
+        parser.error(f"--straggler-rates: expected 3 rates (one per node), got {len(args.straggler_rates)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    reason = unavailable()
+    if reason:
+        print(f"bench.network: skipped: {reason}", flush=True)
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jsonl = out / "network.jsonl"
+    command = "python -m bench.network " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta = {"kind": "meta", "command": command.strip(), "machine": machine(), "date": time.strftime("%Y-%m-%d")}
+    started = time.perf_counter()
+    workdir = Path(tempfile.mkdtemp(prefix="relaxsync-network-"))
+    with open(jsonl, "w") as f:
+
+        def emit(record: dict[str, Any]) -> None:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+        emit(meta)
+        try:
+            with EmulatedNetwork(args.nodes) as net:
+                cells = links(args, net, workdir, emit)
+            runs = [] if args.no_straggler else straggler(args, workdir, emit)
+        except KeyboardInterrupt:
+            print("bench.network: interrupted; processes stopped and namespaces removed", flush=True)
+            return 130
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        matched = matched_tier(cells, args.matched)
+        emit({"kind": "matched", **(matched or {})})
+        emit({"kind": "cells", "cells": cells})  # with speedups, computed once every rate has run
+        total = time.perf_counter() - started
+        emit({"kind": "done", "wall_s": total})
+
+    text = tables(cells, args)
+    if matched:
+        text += (
+            f"\nMatched tier {matched['rate']}: compute {matched['compute_s']:.3f} s/step, dense step "
+            f"{matched['dense_step_s']:.3f} s, communication/compute {matched['comm_over_compute']:.2f} "
+            f"(Fleet 1G: {matched['fleet_comm_over_compute']:.2f}); DGC speedup "
+            f"{matched.get('dgc_speedup', float('nan')):.2f}x (Fleet 1G: {matched['fleet_dgc_speedup']:.2f}x)\n"
+        )
+    if runs:
+        text += "\nStraggler link (" + ", ".join(args.straggler_rates) + "):\n\n"
+        text += "| run | s/step before first check | s/step after | evicted node | world size at end |\n"
+        text += "|---|---|---|---|---|\n"
+        for r in runs:
+            if "error" in r:
+                text += f"| {r['name']} | failed | | | |\n"
+                continue
+            text += (
+                f"| {r['name']} | {r['step_s_before']:.3f} | {r['step_s_after']:.3f} | "
+                f"{r['evicted_nodes'] or 'none'} | {r['final_world_size']} |\n"
+            )
+    text += f"\n{meta['machine']}; {total / 60:.1f} min in all.\n"
+    (out / "network.md").write_text(text)
+    pngs = plot(cells, args, out)
+    print("\n" + text + "\nplots: " + ", ".join(str(p) for p in pngs), flush=True)
+    failed = [c for c in [*cells, *runs] if "error" in c]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

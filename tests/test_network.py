@@ -1,0 +1,97 @@
+"""The emulated network of bench/network: real torchrun nodes in network namespaces (root only), and the
+benchmark's behaviour where it cannot run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import TEST_RESNET_PARAMS, records
+
+from bench import netns
+from bench.network import main, run_job, steady_state
+
+REASON = netns.unavailable()
+
+
+def test_without_root_the_benchmark_says_so_and_exits_cleanly(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "needs root" in netns.unavailable()
+    assert main(["--rates", "100mbit"]) == 0
+    assert "skipped: needs root" in capsys.readouterr().out
+
+
+def test_without_tc_the_benchmark_names_the_missing_tool(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/" + tool)
+    assert "iproute2's `tc`" in netns.unavailable()
+
+
+def test_rates_and_token_bucket_sizes():
+    assert netns.parse_rate("100mbit") == 1e8 and netns.parse_rate("1gbit") == 1e9
+    assert netns.parse_rate("unlimited") is None
+    with pytest.raises(ValueError, match="'fast'"):
+        netns.parse_rate("fast")
+    args = netns.tbf_args(1e8)  # 12.5 MB/s: 1.1 ms is 13.75 kB, below the 32 KiB floor
+    assert args[args.index("burst") + 1] == str(32 * 1024)
+    args = netns.tbf_args(1e9)  # 125 MB/s: 1.1 ms is 137.5 kB
+    assert args[args.index("burst") + 1] == str(137_500)
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"network emulation unavailable: {REASON}")
+def test_two_node_torchrun_job_across_two_namespaces(tmp_path):
+    """Two torchrun agents, each in its own namespace behind a 200 Mbit link, meet at a c10d rendezvous on the
+    first node and train for a few steps; the bytes counted per step are what the interface saw, within 10 %."""
+    with netns.EmulatedNetwork(2) as net:
+        names = [net.ns(0), net.ns(1), net.bridge_ns]
+        assert set(names) <= set(netns.namespaces())
+        net.shape("200mbit")
+        out = run_job(
+            net, ["model=test_resnet", "data=synthetic", "trainer.max_steps=6", "trainer.epochs=1"], 6, "pytest",
+            29400, tmp_path, timeout_s=240,
+        )  # fmt: skip
+    assert not set(names) & set(netns.namespaces())  # deleted on exit
+    steps = records(out["metrics"], "train")
+    assert len(steps) == 6 and all(r["world_size"] == 2 for r in steps)
+    assert steps[0]["bytes_sent"] == 4 * TEST_RESNET_PARAMS  # ring allreduce of 2: each node sends S
+    steady = steady_state(out["metrics"], warmup=1, window=5)
+    assert 1.0 <= steady["wire_over_counted"] <= 1.10
+    assert all(tx >= 6 * 4 * TEST_RESNET_PARAMS for tx in out["node_tx_bytes"])  # both nodes sent every step
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"network emulation unavailable: {REASON}")
+def test_ctrl_c_mid_run_stops_the_nodes_and_removes_the_namespaces(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "bench.network", "--rates", "100mbit", "--algorithms", "allreduce", "--no-straggler",
+         "--out", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    mine = f"{netns.PREFIX}{bench.pid}-"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(_pids_inside(mine)) < 2:
+        time.sleep(0.5)
+    inside = _pids_inside(mine)
+    assert len(inside) >= 2, "the benchmark never started its nodes"
+    bench.send_signal(signal.SIGINT)
+    output, _ = bench.communicate(timeout=60)
+    assert bench.returncode == 130, output
+    assert "interrupted" in output
+    assert not [ns for ns in netns.namespaces() if ns.startswith(mine)]
+    assert not [pid for pid in inside if os.path.exists(f"/proc/{pid}")]  # every node's processes are gone
+
+
+def _pids_inside(ns_prefix: str) -> list[int]:
+    """Processes running inside the namespaces whose names start with ``ns_prefix``."""
+    return [
+        int(pid)
+        for ns in netns.namespaces()
+        if ns.startswith(ns_prefix)
+        for pid in netns._run(["ip", "netns", "pids", ns], check=False).stdout.split()
+    ]
