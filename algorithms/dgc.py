@@ -225,11 +225,7 @@ class DGC(SyncAlgorithm):
 
         # 2) Compressed tensors: momentum correction, accumulation, selection, sparse allgather.
         start = time.perf_counter()
-        for j, i in enumerate(self.compressed):
-            u = self.u[self.offsets[j] : self.offsets[j + 1]]
-            torch.add(grads[i].reshape(-1), u, alpha=self.momentum, out=u)  # u = m * u + g, in one pass
-        self.v.add_(self.u)
-        indices, values, k_total, sent = self._compress(sparsity)
+        indices, values, k_total, sent = self.accumulate_and_select(grads, sparsity)
         compress_s = time.perf_counter() - start
         # Values and indices travel in one allgather, as bytes.
         value_bytes = values.numel() * values.element_size()
@@ -252,6 +248,16 @@ class DGC(SyncAlgorithm):
             "compression": dense_bytes / sent_bytes,  # vs dense allreduce of every gradient
         }
         return SyncReport(compute_end=compute_end, extra=extra)
+
+    def accumulate_and_select(
+        self, grads: list[torch.Tensor], sparsity: float
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """Momentum correction and accumulation of the compressed tensors' gradients, then ``_compress``."""
+        for j, i in enumerate(self.compressed):
+            u = self.u[self.offsets[j] : self.offsets[j + 1]]
+            torch.add(grads[i].reshape(-1), u, alpha=self.momentum, out=u)  # u = m * u + g, in one pass
+        self.v.add_(self.u)
+        return self._compress(sparsity)
 
     def _grad(self, i: int) -> torch.Tensor:
         """The local gradient with weight decay added (DGC's weight-decay correction: before accumulation), in

@@ -69,10 +69,7 @@ def measure_time(sparsity: float, threads: int, repeats: int) -> dict:
     compress = []
     for _ in range(repeats + 2):
         start = time.perf_counter()
-        g = torch.cat([dgc._grad(i).reshape(-1) for i in dgc.compressed])
-        dgc.u.mul_(dgc.momentum).add_(g)
-        dgc.v.add_(dgc.u)
-        dgc._compress(sparsity)
+        dgc.accumulate_and_select([dgc._grad(i) for i in range(len(dgc.params))], sparsity)
         compress.append(time.perf_counter() - start)
     return {
         "threads": threads,
