@@ -93,6 +93,16 @@ def select(
     return candidates, k
 
 
+def pack(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """int32 indices then values, as one byte tensor (indices first: both then start at aligned offsets)."""
+    return torch.cat([indices.view(torch.uint8), values.view(torch.uint8)])
+
+
+def unpack(buffer: torch.Tensor, count: int, value_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack` for ``count`` pairs."""
+    return buffer[: 4 * count].view(torch.int32), buffer[4 * count :].view(value_dtype)
+
+
 class DGC(SyncAlgorithm):
     """``sync=dgc``: sparse, error-compensated gradient exchange by allgather of (value, index) pairs."""
 
@@ -227,11 +237,8 @@ class DGC(SyncAlgorithm):
         start = time.perf_counter()
         indices, values, k_total, sent = self.accumulate_and_select(grads, sparsity)
         compress_s = time.perf_counter() - start
-        # Values and indices travel in one allgather, as bytes.
-        value_bytes = values.numel() * values.element_size()
-        gathered = comm.all_gather(torch.cat([values.view(torch.uint8), indices.view(torch.uint8)]))
-        all_values = [g[:value_bytes].view(values.dtype) for g in gathered]
-        all_indices = [g[value_bytes:].view(torch.int32) for g in gathered]
+        gathered = comm.all_gather(pack(indices, values))  # values and indices in one allgather
+        all_indices, all_values = zip(*(unpack(g, indices.numel(), values.dtype) for g in gathered))
         update = self._update.zero_()  # grads were read above, so backward may have accumulated into these views
         update.index_add_(0, torch.cat(all_indices).long(), torch.cat(all_values).float())
         update.div_(n)

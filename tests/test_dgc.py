@@ -10,7 +10,7 @@ import torch
 from conftest import load_model_state, records, train
 
 from algorithms.base import SyncContext
-from algorithms.dgc import DGC, above, keep_count, select, sparsity_at
+from algorithms.dgc import DGC, above, keep_count, pack, select, sparsity_at, unpack
 from algorithms.membership import Membership
 
 FAST = ["model=test_resnet", "data=digits", "logger=none", "trainer.progress=false", "trainer.nproc=2"]
@@ -97,15 +97,31 @@ def test_sparsity_zero_equals_allreduce_momentum_sgd(tmp_path):
             torch.testing.assert_close(a[name], p, atol=1e-5, rtol=0, msg=name)
 
 
-def test_bytes_sent_match_the_sparse_exchange(tmp_path):
-    _, metrics = train(tmp_path, *FAST, "sync=dgc", "trainer.max_steps=3", "sync.min_compress_numel=16384")
+@pytest.mark.parametrize("count", [1, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_pack_and_unpack_round_trip(count, dtype):
+    indices = torch.arange(7, 7 + count, dtype=torch.int32)
+    values = torch.linspace(-1, 1, count).to(dtype)
+    buffer = pack(indices, values)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == count * (4 + values.element_size())
+    got_indices, got_values = unpack(buffer, count, dtype)
+    assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
+
+
+@pytest.mark.parametrize("fp16_values", [False, True])
+def test_bytes_sent_match_the_sparse_exchange(tmp_path, fp16_values):
+    _, metrics = train(
+        tmp_path, *FAST, "sync=dgc", "trainer.max_steps=3", "sync.min_compress_numel=16384",
+        f"sync.fp16_values={fp16_values}",
+    )  # fmt: skip
     model = timm.create_model("test_resnet", num_classes=10)
     sizes = [p.numel() for p in model.parameters()]
     big = [n for n in sizes if n >= 16384]
     small = sum(n for n in sizes if n < 16384)
     k = sum(keep_count(n, 0.999) for n in big)
     n_ranks = 2
-    expected = 2 * (n_ranks - 1) / n_ranks * 4 * (small + 1) + (n_ranks - 1) * (4 + 4) * k
+    value_bytes = 2 if fp16_values else 4
+    expected = 2 * (n_ranks - 1) / n_ranks * 4 * (small + 1) + (n_ranks - 1) * (4 + value_bytes) * k
     dense = 2 * (n_ranks - 1) / n_ranks * 4 * sum(sizes)
     for r in records(metrics, "train"):
         assert r["bytes_sent"] == pytest.approx(expected)
