@@ -230,3 +230,13 @@ def test_two_node_torchrun_rendezvous_on_localhost(tmp_path):
     steps = records(read_metrics(str(tmp_path / "metrics.jsonl")), "train")
     assert len(steps) == 3 and all(r["world_size"] == 2 for r in steps)
     assert steps[0]["bytes_sent"] == 4 * TEST_RESNET_PARAMS
+
+
+def test_netdev_records_what_the_interface_sent_each_step(tmp_path):
+    """Both local ranks talk over the loopback interface, so each step it carries at least what they counted."""
+    _, metrics = train(tmp_path, *FAST, "trainer.max_steps=3", "trainer.netdev=lo")
+    steps = records(metrics, "train")
+    assert len(steps) == 3
+    for r in steps:
+        assert 2 * r["bytes_sent"] <= r["wire_bytes"] <= 1.5 * 2 * r["bytes_sent"]  # two senders, S each, + headers
+        assert r["bytes_sent"] == 4 * TEST_RESNET_PARAMS
