@@ -114,7 +114,7 @@ def run_job(
     }
 
 
-def _tail(logs: list[Path], lines: int = 15) -> str:
+def _tail(logs: list[Path], lines: int = 40) -> str:
     out = []
     for path in logs:
         text = path.read_text().splitlines() if path.exists() else []

@@ -408,8 +408,13 @@ class Trainer:
     def finish(self, train_s: float) -> dict[str, Any] | None:
         self.sync.finalize()
         spread = self.replica_spread()
-        if not self.membership.is_logging_rank:
-            return None
+        summary = self._summarize(train_s, spread) if self.membership.is_logging_rank else None
+        # Every rank waits for the logging rank to finish logging before any of them closes its connections:
+        # gloo can abort a process whose peer disappears while it still works.
+        self.comm.barrier()
+        return summary
+
+    def _summarize(self, train_s: float, spread: float) -> dict[str, Any]:
         totals = self.comm.totals
         summary = {
             "kind": "summary",
