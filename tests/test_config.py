@@ -69,6 +69,7 @@ BAD = [
     (["sync=relaxed", "sync.lr_policy=cube"], "sync.lr_policy", "cube", "one of linear, sqrt, none"),
     (["sync=relaxed", "sync.check_every=0"], "sync.check_every", "0", "epoch, or a number of steps >= 1"),
     (["sync=relaxed", "sync.measure=wall"], "sync.measure", "wall", "one of compute, link"),
+    (["sync=relaxed", "sync.measure=link"], "sync.measure", "link", "compute with 2 processes"),
     (["sync=relaxed", "sync.link_probe_bytes=0"], "sync.link_probe_bytes", "0", "an integer number of bytes >= 1"),
     (["trainer.netdev=nosuchnic0"], "trainer.netdev", "nosuchnic0", "null or a network interface of this machine ("),
     (["sync=dgc", "sync.sparsity=[1.0]"], "sync.sparsity", "[1.0]", "fractions in [0, 1)"),

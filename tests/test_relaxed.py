@@ -184,6 +184,7 @@ def test_a_slow_link_is_seen_by_the_link_measure_only(tmp_path, measure):
         (evict,) = _evictions(metrics)
         assert evict["ranks"] == [2] and evict["measure"] == "link" and evict["step"] == 3
         assert summary["ranks"] == [0, 1]
+        assert len(checks) == 1  # with two ranks left, the link measure stops checking (it cannot attribute)
     else:
         assert first["2"] < 3 * checks[0]["reference"]  # rank 2 computes as fast as the others
         assert not _evictions(metrics) and summary["ranks"] == [0, 1, 2]
