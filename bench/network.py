@@ -24,6 +24,7 @@ network_speedup.png.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -139,8 +141,26 @@ def steady_state(metrics: list[dict[str, Any]], warmup: int, window: int) -> dic
         "bytes_per_step": counted / len(steps),
         "wire_bytes_per_step": wire / len(steps),
         "wire_over_counted": wire / counted if counted else None,
-        "mean_k": sum(r["k_steps"] for r in steps) / len(steps) if "k_steps" in steps[0] else None,
     }
+
+
+def record(
+    result: dict[str, Any],
+    job: Callable[[], dict[str, Any]],
+    summarize: Callable[[dict[str, Any]], dict[str, Any]],
+    describe: Callable[[dict[str, Any]], str],
+    emit: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    """Run ``job``, add ``summarize(its output)`` (or the error) to ``result``, write it out, say how it went."""
+    try:
+        result.update(summarize(job()))
+    except CellFailed as e:
+        print(f"  failed: {e}", flush=True)
+        result["error"] = str(e)
+    emit(result)
+    if "error" not in result:
+        print(f"  {describe(result)}", flush=True)
+    return result
 
 
 # ---- the two scenarios --------------------------------------------------------------------------------------
@@ -154,24 +174,22 @@ def links(args: argparse.Namespace, net: EmulatedNetwork, workdir: Path, emit) -
             job = f"n{args.nodes}-{rate}-{key}"
             print(f"[{time.strftime('%H:%M:%S')}] {rate:>9}  {name}", flush=True)
             cell = {"kind": "cell", "rate": rate, "algorithm": key, "name": name, "nodes": args.nodes}
-            try:
-                out = run_job(
-                    net, ["experiment=network", *overrides], steps, job, args.port + len(cells), workdir,
-                    args.cell_timeout,
-                )  # fmt: skip
-                cell.update(steady_state(out["metrics"], args.warmup, args.window))
-                cell.update(node_tx_bytes=out["node_tx_bytes"], wall_s=out["wall_s"])
-            except CellFailed as e:
-                print(f"  failed: {e}", flush=True)
-                cell["error"] = str(e)
-            cells.append(cell)
-            emit(cell)
-            if "error" not in cell:
-                print(
-                    f"  {cell['step_s']:.3f} s/step, {cell['samples_per_s']:.0f} samples/s, "
-                    f"{cell['bytes_per_step'] / 1e6:.3f} MB/step counted, wire/counted {cell['wire_over_counted']:.3f}",
-                    flush=True,
+            run = functools.partial(
+                run_job, net, ["experiment=network", *overrides], steps, job, args.port + len(cells), workdir,
+                args.cell_timeout,
+            )  # fmt: skip
+            cells.append(
+                record(
+                    cell, run,
+                    lambda out: {
+                        **steady_state(out["metrics"], args.warmup, args.window),
+                        "node_tx_bytes": out["node_tx_bytes"], "wall_s": out["wall_s"],
+                    },
+                    lambda c: f"{c['step_s']:.3f} s/step, {c['samples_per_s']:.0f} samples/s, "
+                    f"{c['bytes_per_step'] / 1e6:.3f} MB/step counted, wire/counted {c['wire_over_counted']:.3f}",
+                    emit,
                 )
+            )  # fmt: skip
     base = {c["rate"]: c for c in cells if c["algorithm"] == "allreduce" and "error" not in c}
     for c in cells:
         if "error" not in c and c["rate"] in base:
@@ -189,23 +207,19 @@ def straggler(args: argparse.Namespace, workdir: Path, emit) -> list[dict[str, A
             print(f"[{time.strftime('%H:%M:%S')}] straggler link {rates}: {name}", flush=True)
             common = [f"sync.check_every={args.check_every}"] if "sync=relaxed" in overrides else []
             run = {"kind": "straggler", "name": name, "rates": rates, "slow_node": slow_node}
-            try:
-                out = run_job(
-                    net, ["experiment=network", *overrides, *common], args.straggler_steps, f"straggler-{i}",
-                    args.port + 500 + i, workdir, args.cell_timeout,
-                )  # fmt: skip
-                run.update(straggler_summary(out, args.check_every))
-            except CellFailed as e:
-                print(f"  failed: {e}", flush=True)
-                run["error"] = str(e)
-            runs.append(run)
-            emit(run)
-            if "error" not in run:
-                print(
-                    f"  {run['step_s_before']:.3f} s/step before the first check, {run['step_s_after']:.3f} after; "
-                    f"evicted node(s): {run['evicted_nodes']}",
-                    flush=True,
+            job = functools.partial(
+                run_job, net, ["experiment=network", *overrides, *common], args.straggler_steps, f"straggler-{i}",
+                args.port + 500 + i, workdir, args.cell_timeout,
+            )  # fmt: skip
+            runs.append(
+                record(
+                    run, job,
+                    lambda out: straggler_summary(out, args.check_every),
+                    lambda r: f"{r['step_s_before']:.3f} s/step before the first check, {r['step_s_after']:.3f} "
+                    f"after; evicted node(s): {r['evicted_nodes']}",
+                    emit,
                 )
+            )  # fmt: skip
     return runs
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import TEST_RESNET_PARAMS, records
+from conftest import ROOT, TEST_RESNET_PARAMS, records
 
 from bench import netns
 from bench.network import main, run_job, steady_state
@@ -65,8 +65,6 @@ def test_ctrl_c_mid_run_stops_the_nodes_and_removes_the_namespaces(tmp_path):
     import subprocess
     import sys
     import time
-
-    from conftest import ROOT
 
     bench = subprocess.Popen(
         [sys.executable, "-m", "bench.network", "--rates", "100mbit", "--algorithms", "allreduce", "--no-straggler",
