@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from algorithms.base import SyncAlgorithm, SyncContext, SyncReport
 from algorithms.comm import Communicator, tensor_bytes
+from errors import require
 
 
 class _HookState:
@@ -55,16 +56,14 @@ class AllReduce(SyncAlgorithm):
         self.bucket_cap_mb = bucket_cap_mb
 
     @classmethod
-    def validate(cls, sync_cfg: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
-        from engine.config import ConfigError
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        b = section["bucket_cap_mb"]
+        require(isinstance(b, (int, float)) and b > 0, "sync.bucket_cap_mb", b, "a number of MiB > 0")
 
-        if not sync_cfg["bucket_cap_mb"] > 0:
-            raise ConfigError("sync.bucket_cap_mb", sync_cfg["bucket_cap_mb"], "a number of MiB > 0")
-
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: SyncContext) -> nn.Module:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: SyncContext) -> None:
         super().setup(model, optimizer, ctx)
+        self.hook_state = _HookState(ctx.comm)  # kept across rewraps: it only reads the communicator
         self.module = self._wrap(model)
-        return self.module
 
     def on_membership_change(self) -> None:
         # DDP is bound to one process group: wrap the same module again over the new group (the survivors'
@@ -87,10 +86,9 @@ class AllReduce(SyncAlgorithm):
             forward_sync_buffers=False,
             gradient_as_bucket_view=True,
         )
-        self._hook_state = _HookState(ctx.comm)
-        self.ddp.register_comm_hook(self._hook_state, counted_allreduce_hook)
+        self.ddp.register_comm_hook(self.hook_state, counted_allreduce_hook)
         return self.ddp
 
     def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
         # The gradients were averaged before unscaling, so every rank's verdict is the same.
-        return SyncReport(grads_finite=grads_finite, compute_end=self._hook_state.last_ready)
+        return SyncReport(grads_finite=grads_finite, compute_end=self.hook_state.last_ready)

@@ -1,91 +1,132 @@
-"""The contract between the trainer and a sync algorithm.
+"""The contract between the trainer and a sync algorithm: the single statement of it.
 
 The trainer calls the hooks of exactly one :class:`SyncAlgorithm` in a fixed order and never asks which
 algorithm it runs. Per optimizer step::
 
-    report  = sync.before_step(step)              # membership checks, straggler bookkeeping
-    with amp.autocast(): loss = criterion(model(x), y)
-    amp.backward(loss, optimizer)                  # DDP (if setup() wrapped the model) syncs here
-    amp.unscale(optimizer)                         # gradients seen below are unscaled
-    report += sync.after_backward(step, grads_finite)
-    amp.step(optimizer, report.grads_finite)       # skipped on every rank when False
-    report += sync.after_optimizer_step(step)
-    schedule.step(); logger.log(report ...)
+    report  = sync.before_step(step)                      # e.g. a straggler check every N steps
+    with amp.autocast(): loss = criterion(sync.module(x), y)
+    amp.backward(loss, optimizer)                          # DDP (if setup() wrapped the model) syncs here
+    grads_finite = amp.unscale(optimizer)                  # gradients seen below are unscaled
+    report += sync.after_backward(step, grads_finite)      # gradient exchange (DGC, synchronous local SGD)
+    amp.step(optimizer, report.grads_finite)               # skipped on every rank when False
+    report += sync.after_optimizer_step(StepResult(...))   # model exchange (local SGD, gossip)
+    the trainer applies report.requests, then records report.events and report.metrics
 
-plus ``on_epoch_start(epoch)`` before each epoch (before its loaders are iterated), ``before_eval()`` before
-each evaluation and checkpoint, and ``finalize()`` once at the end. The trainer runs the forward pass through
-``sync.module`` (read at every step), so an algorithm may rewrap the model, e.g. after the group changed.
+plus ``on_epoch_start(epoch)`` before each epoch's loader is iterated, ``before_eval()`` before each evaluation
+and checkpoint, ``on_membership_change()`` after the active ranks changed, and ``finalize()`` once at the end.
+The forward pass runs through ``sync.module``, read at every step, so an algorithm may rewrap the model.
 
-Membership: ``ctx.membership`` holds the active ranks and their group. An algorithm that changes it (relaxed
-sync) calls ``on_membership_change()`` on the algorithm it wraps, so that one rebinds to the new group. A rank
-that is no longer active stops training at the next hook boundary, writes nothing more and exits 0.
+**One way.** A hook receives what it needs as arguments (``after_optimizer_step`` gets the finished step: its
+loss, learning rate, timings) and returns a :class:`SyncReport` with what it measured (``metrics``), what
+happened (``events``) and what it wants the trainer to do (``requests``: :class:`RebuildTrainLoader`,
+:class:`ScaleLR`). The trainer applies the requests after the hook returns. An algorithm never calls into
+the trainer; ``SyncContext`` holds only runtime objects (communicator, membership, device).
 
-Overflow steps (AMP with dynamic loss scaling): ``grads_finite`` is this rank's own verdict on its unscaled
-gradients. Every rank must take the same branch, so an algorithm that communicates gradients returns in
-``SyncReport.grads_finite`` a verdict derived from communicated data, identical on every rank (for DDP the
+**Membership.** ``ctx.membership`` (:class:`algorithms.membership.Membership`) owns the active ranks, their
+process group, store-based agreement and regrouping. A policy that wants ranks gone (relaxed sync: too slow)
+asks it to remove them; on a removed rank that call raises :class:`algorithms.membership.LeftRun`, which
+unwinds to where the worker runs and ends it with status 0. After any change the trainer calls
+``on_membership_change()`` (rebind whatever holds the old group, e.g. DDP) and reshards evaluation; it
+reshards training too when a hook asks for it (:class:`RebuildTrainLoader`). Algorithms run every collective
+on ``ctx.comm`` (the :class:`algorithms.comm.Communicator` over the active group), never on the world group,
+so bytes and seconds are counted the same way for all of them; the trainer reads and resets those counts
+after every step.
+
+**State.** ``state_dict()`` is what every rank holds identically (counters, periods): saved once, by the
+logging rank, in the main checkpoint. ``local_state_dict()`` is this rank's own state (DGC residuals, local
+momenta): each rank saves it beside the checkpoint and loads its own on resume; a rank that finds none (it
+was evicted before that checkpoint, or the world grew) keeps the fresh state of ``setup()``, so nothing
+identical-on-every-rank may live there.
+
+**Wrapping.** An algorithm that wraps another (``sync=relaxed`` wraps ``sync.inner``) derives from
+:class:`Wrapper`, which forwards every hook, capability flag, module and state of the inner algorithm; a
+subclass overrides a hook to add to it and calls ``super()``.
+
+**Overflow steps** (AMP with dynamic loss scaling): ``grads_finite`` is this rank's own verdict on its
+unscaled gradients. Every rank must take the same branch, so an algorithm that communicates gradients returns
+in ``SyncReport.grads_finite`` a verdict derived from communicated data, identical on every rank (for DDP the
 gradients are averaged before unscaling, so the local verdict on the averaged gradients already is). An
-algorithm whose ranks step independently (local SGD between syncs) may return the local verdict. On a skipped
-step the algorithm must leave its own state (residuals, momenta) as it was before the step.
+algorithm whose ranks step independently (local SGD between syncs) may return the local verdict. On a
+skipped step the algorithm leaves its own state (residuals, momenta) as it was before the step.
 
-Collectives go through :class:`algorithms.comm.Communicator` (``ctx.comm``), which counts bytes and seconds;
-the trainer reads and resets those counters after every step, so hooks only return what the Communicator
-cannot know: ``events`` and algorithm-specific ``extra`` metrics.
+**Validation.** ``validate(section, cfg, world_size)`` raises ``errors.ConfigError`` before any worker starts
+(the signature every config group shares; see ``errors.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from algorithms.comm import Communicator
+from algorithms.membership import Membership
+from errors import ConfigError
 
-@dataclass
-class SyncReport:
-    """What one step of synchronization cost this rank, and what happened."""
 
-    bytes_sent: float = 0.0  # modeled wire bytes, mean per active rank (see Communicator)
-    payload_bytes: float = 0.0  # bytes of tensors handed to collectives
-    comm_seconds: float = 0.0
-    grads_finite: bool = True  # the agreed overflow verdict (identical on every rank)
-    compute_end: float | None = None  # perf_counter() when this rank's own compute ended, if known
-    events: list[dict[str, Any]] = field(default_factory=list)  # e.g. {"event": "evict", ...}
-    extra: dict[str, float] = field(default_factory=dict)  # algorithm metrics, e.g. {"sparsity": 0.999}
+# ---- what the trainer hands in ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepResult:
+    """The finished optimizer step, the argument of ``after_optimizer_step``."""
 
-    def __iadd__(self, other: SyncReport) -> SyncReport:
-        self.bytes_sent += other.bytes_sent
-        self.payload_bytes += other.payload_bytes
-        self.comm_seconds += other.comm_seconds
-        self.grads_finite = self.grads_finite and other.grads_finite
-        if other.compute_end is not None:
-            self.compute_end = other.compute_end
-        self.events.extend(other.events)
-        self.extra.update(other.extra)
-        return self
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    step: int  # global optimizer step, from 0
+    epoch: int
+    loss: float  # this rank's training loss
+    lr: float  # the learning rate this step used
+    stepped: bool  # False on an overflow step (skipped on every rank)
+    data_s: float  # this rank's wait for its batch, seconds
+    compute_s: float  # this rank's forward + backward up to its last gradient bucket, seconds
 
 
 @dataclass
 class SyncContext:
-    """Runtime objects a sync algorithm may use; built by the trainer."""
+    """Runtime objects a sync algorithm works with; built by the trainer (or the CAC drop-in)."""
 
-    comm: Any  # algorithms.comm.Communicator over the active group
-    membership: Any  # algorithms.membership.Membership
+    comm: Communicator  # counted collectives on the active group
+    membership: Membership
     device: torch.device
-    # Rebuild the data loaders over the active ranks: (train=True) both, (train=False) the val loader only.
-    rebuild_loaders: Callable[[bool], None] = lambda train: None
-    # Multiply the scheduled learning rate by this factor from now on.
-    set_lr_scale: Callable[[float], None] = lambda scale: None
-    # This rank's loss and the learning rate of the current step (valid in after_optimizer_step).
-    get_loss: Callable[[], float] = lambda: float("nan")
-    get_lr: Callable[[], float] = lambda: float("nan")
 
 
+# ---- what a hook hands back ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RebuildTrainLoader:
+    """Reshard the training data over the active ranks (asked mid-epoch: from the next epoch on)."""
+
+
+@dataclass(frozen=True)
+class ScaleLR:
+    """Multiply the scheduled learning rate by ``scale`` from now on (replacing any earlier scale)."""
+
+    scale: float
+    policy: str  # why, for the record: e.g. "linear" (scale = active / initial ranks)
+
+
+Request = RebuildTrainLoader | ScaleLR
+
+
+@dataclass
+class SyncReport:
+    """What a hook returns: the agreed overflow verdict, measurements, events and requests to the trainer."""
+
+    grads_finite: bool = True  # the agreed overflow verdict (identical on every rank)
+    compute_end: float | None = None  # perf_counter() when this rank's own compute ended, if known
+    events: list[dict[str, Any]] = field(default_factory=list)  # e.g. {"event": "evict", ...}
+    metrics: dict[str, float] = field(default_factory=dict)  # algorithm metrics, e.g. {"sparsity": 0.999}
+    requests: list[Request] = field(default_factory=list)
+
+    def __iadd__(self, other: SyncReport) -> SyncReport:
+        self.grads_finite = self.grads_finite and other.grads_finite
+        if other.compute_end is not None:
+            self.compute_end = other.compute_end
+        self.events.extend(other.events)
+        self.metrics.update(other.metrics)
+        self.requests.extend(other.requests)
+        return self
+
+
+# ---- the plugin -----------------------------------------------------------------------------------------------
 class SyncAlgorithm:
     """Base class: every hook is a no-op that reports nothing.
 
@@ -95,27 +136,18 @@ class SyncAlgorithm:
 
     #: the W&B tag and the config option name
     name: str = "base"
-    #: True when ranks hold different state (residuals, local momenta): every rank then checkpoints its own
-    #: ``state_dict()`` beside the main checkpoint, and loads its own on resume.
-    per_rank_state: bool = False
     #: True when replicas differ (gossip): evaluation then also reports the replicas' own accuracy, measured
     #: before ``before_eval()`` brings them into agreement.
     evaluates_replicas: bool = False
 
     @classmethod
-    def validate(cls, sync_cfg: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
-        """Raise ``ConfigError`` for bad options before any worker starts.
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        """Raise ``ConfigError`` for bad options; ``section`` is this algorithm's own (``sync``)."""
 
-        ``sync_cfg`` is this algorithm's own section (``sync`` or ``sync.inner``), ``cfg`` the whole config.
-        """
-
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: SyncContext) -> nn.Module:
-        """Return the module to train (possibly wrapped, e.g. in DDP); also kept as ``self.module``."""
-        self.ctx = ctx
-        self.model = model
-        self.optimizer = optimizer
-        self.module = model
-        return model
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: SyncContext) -> None:
+        """Take the model to train; ``self.module`` is what the forward pass runs (possibly a DDP wrapper)."""
+        self.ctx, self.model, self.optimizer = ctx, model, optimizer
+        self.module: nn.Module = model
 
     def on_membership_change(self) -> None:
         """The active group changed (``ctx.membership``); rebind whatever holds the old group."""
@@ -129,7 +161,7 @@ class SyncAlgorithm:
     def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
         return SyncReport(grads_finite=grads_finite)
 
-    def after_optimizer_step(self, step: int) -> SyncReport:
+    def after_optimizer_step(self, result: StepResult) -> SyncReport:
         return SyncReport()
 
     def before_eval(self) -> None:
@@ -137,10 +169,85 @@ class SyncAlgorithm:
         self.ctx.comm.average_buffers(self.model)
 
     def state_dict(self) -> dict[str, Any]:
+        """State identical on every rank (saved once)."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's own state (saved per rank); empty when the algorithm keeps none."""
+        return {}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
     def finalize(self) -> None:
         pass
+
+
+class Wrapper(SyncAlgorithm):
+    """An algorithm around another: every hook, flag, module and state is the inner algorithm's unless a
+    subclass adds to it (and calls ``super()``). ``tests/test_contract.py`` checks that every hook and flag of
+    :class:`SyncAlgorithm` is forwarded here."""
+
+    def __init__(self, inner: SyncAlgorithm):
+        self.inner = inner
+
+    @classmethod
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        from hydra.utils import get_class
+
+        inner = section["inner"]
+        inner_cls = get_class(inner["_target_"])
+        if issubclass(inner_cls, Wrapper):
+            raise ConfigError("sync.inner", inner["_target_"], f"an exchange algorithm, not another {inner_cls.name}")
+        try:
+            inner_cls.validate(inner, cfg, world_size)
+        except ConfigError as error:
+            raise error.under("sync.inner") from None
+
+    @property
+    def evaluates_replicas(self) -> bool:  # type: ignore[override]
+        return self.inner.evaluates_replicas
+
+    @property
+    def module(self) -> nn.Module:  # type: ignore[override]
+        return self.inner.module
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: SyncContext) -> None:
+        self.ctx, self.model, self.optimizer = ctx, model, optimizer
+        self.inner.setup(model, optimizer, ctx)
+
+    def on_membership_change(self) -> None:
+        self.inner.on_membership_change()
+
+    def on_epoch_start(self, epoch: int) -> SyncReport:
+        return self.inner.on_epoch_start(epoch)
+
+    def before_step(self, step: int) -> SyncReport:
+        return self.inner.before_step(step)
+
+    def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
+        return self.inner.after_backward(step, grads_finite)
+
+    def after_optimizer_step(self, result: StepResult) -> SyncReport:
+        return self.inner.after_optimizer_step(result)
+
+    def before_eval(self) -> None:
+        self.inner.before_eval()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state["inner"])
+
+    def local_state_dict(self) -> dict[str, Any]:
+        return self.inner.local_state_dict()  # a wrapper's own state is the same on every rank
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_local_state_dict(state)
+
+    def finalize(self) -> None:
+        self.inner.finalize()

@@ -8,26 +8,45 @@ an extra collective (every collective's per-rank traffic is known from its shape
   2(N-1)/N * S per rank; allgather of s bytes per rank sends (N-1)*s; a point-to-point send of s bytes sends
   s from the sender; a broadcast of S bytes sends S from the root (S/N per rank on average).
 
-``comm_seconds`` is the wall time this rank spent inside blocking collectives, plus, for asynchronous ones
+``comm_s`` is the wall time this rank spent inside blocking collectives, plus, for asynchronous ones
 (DDP's bucket allreduces), the time from launch to completion, which may overlap computation.
+
+The trainer takes the counts after every step (:meth:`Communicator.take`); they are the Communicator's own
+type (:class:`CommCounts`), apart from what a hook reports (``algorithms.base.SyncReport``).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from algorithms.base import SyncReport
 from algorithms.membership import Membership
+from algorithms.topology import round_robin
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+@dataclass
+class CommCounts:
+    """Traffic and time of training communication, mean per active rank."""
+
+    bytes_sent: float = 0.0  # modeled wire bytes (see the module docstring)
+    payload_bytes: float = 0.0  # bytes of tensors handed to collectives
+    comm_s: float = 0.0
+
+    def add(self, bytes_sent: float, payload_bytes: float, seconds: float) -> None:
+        self.bytes_sent += bytes_sent
+        self.payload_bytes += payload_bytes
+        self.comm_s += seconds
 
 
 class Communicator:
@@ -35,8 +54,8 @@ class Communicator:
 
     def __init__(self, membership: Membership):
         self.membership = membership
-        self._step = SyncReport()
-        self.totals = {"bytes_sent": 0.0, "payload_bytes": 0.0, "comm_s": 0.0}
+        self._step = CommCounts()
+        self.totals = CommCounts()  # over the whole run (evaluation traffic included)
         self._side = False
         self.side_bytes = 0.0  # measurement traffic (consensus distance), kept out of bytes_sent
 
@@ -49,26 +68,29 @@ class Communicator:
     def group(self) -> dist.ProcessGroup:
         return self.membership.group
 
+    @property
+    def device(self) -> torch.device:
+        """Where this backend's tensors live: the current CUDA device under NCCL, else the CPU."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def record(self, bytes_sent: float, payload_bytes: float, seconds: float) -> None:
         if self._side:
             self.side_bytes += bytes_sent
             return
-        self._step.bytes_sent += bytes_sent
-        self._step.payload_bytes += payload_bytes
-        self._step.comm_seconds += seconds
-        self.totals["bytes_sent"] += bytes_sent
-        self.totals["payload_bytes"] += payload_bytes
-        self.totals["comm_s"] += seconds
+        self._step.add(bytes_sent, payload_bytes, seconds)
+        self.totals.add(bytes_sent, payload_bytes, seconds)
 
     def record_allreduce(self, nbytes: int, seconds: float, size: int | None = None) -> None:
         """Count an allreduce issued elsewhere (DDP's comm hook), or over a subgroup of ``size`` ranks."""
         n = self.size if size is None else size
         self.record(2 * (n - 1) * nbytes / n, nbytes, seconds)
 
-    def take(self) -> SyncReport:
+    def take(self) -> CommCounts:
         """Return this step's counts and start a new step."""
-        report, self._step = self._step, SyncReport()
-        return report
+        counts, self._step = self._step, CommCounts()
+        return counts
 
     @contextmanager
     def uncounted(self) -> Iterator[None]:
@@ -153,6 +175,25 @@ class Communicator:
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+    def probe_links(self, nbytes: int) -> float:
+        """Collective over the active group: time an exchange of ``nbytes`` each way with every other active
+        rank, one pair at a time per rank (rounds separated by barriers), and return this rank's *fastest*
+        exchange in seconds (inf when it is alone). A transfer crosses both ends' links, so only a rank behind a
+        slow link is slow with every peer. Counted like any exchange."""
+        me = self.membership.rank
+        send = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        recv = torch.empty_like(send)
+        times = []
+        for pairs in round_robin(self.membership.ranks):
+            self.barrier()  # a pair starts together, not when the slower of its previous pairs finished
+            peer = next((b if a == me else a for a, b in pairs if me in (a, b)), None)
+            if peer is None:
+                continue
+            start = time.perf_counter()
+            self.exchange([(send, peer)], [(recv, peer)])
+            times.append(time.perf_counter() - start)
+        return min(times, default=math.inf)
 
     # ---- helpers used by several algorithms ---------------------------------------------------------------
     def average_buffers(self, model: nn.Module) -> None:

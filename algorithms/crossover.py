@@ -26,6 +26,8 @@ from torch import nn
 from algorithms.base import SyncContext, SyncReport
 from algorithms.gossip import Gossip
 from algorithms.topology import ExponentialGraph, LoadBalancedRandom
+from errors import ConfigError, is_int, require
+from models.factory import create_model
 
 _STAGE = re.compile(r"^(layer\d+)\.(\d+)\.")
 
@@ -85,22 +87,20 @@ class Crossover(Gossip):
         self.sync_grad, self.seed = sync_grad, seed
 
     @classmethod
-    def validate(cls, sync_cfg: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
-        from engine.config import ConfigError
-        from models.factory import create_model
-
-        super().validate(sync_cfg, cfg, world_size)
-        g = sync_cfg["group_size"]
-        if not (isinstance(g, int) and g >= 1 and world_size % g == 0 and world_size // g >= 2):
-            raise ConfigError(
-                "sync.group_size", g, f"a divisor of the world size {world_size} leaving >= 2 groups (1 = flat)"
-            )
-        s = sync_cfg["segments"]
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        super().validate(section, cfg, world_size)
+        g = section["group_size"]
+        require(
+            is_int(g) and g >= 1 and world_size % g == 0 and world_size // g >= 2,
+            "sync.group_size",
+            g,
+            f"a divisor of the world size {world_size} leaving >= 2 groups (1 = flat)",
+        )
+        s = section["segments"]
         model = create_model(cfg["model"]["name"], 10, kwargs=cfg["model"].get("kwargs"))
         numel = sum(p.numel() for p in model.parameters())
-        if isinstance(s, int) and not isinstance(s, bool):
-            if not 1 <= s <= numel:
-                raise ConfigError("sync.segments", s, f"coarse, fine, or an integer in [1, {numel}] (parameters)")
+        if is_int(s):
+            require(1 <= s <= numel, "sync.segments", s, f"coarse, fine, or an integer in [1, {numel}] (parameters)")
         elif s in ("coarse", "fine"):
             try:
                 segment_ranges(model, s)
@@ -111,11 +111,10 @@ class Crossover(Gossip):
         else:
             raise ConfigError("sync.segments", s, "coarse, fine, or a number of equal chunks")
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: SyncContext) -> nn.Module:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: SyncContext) -> None:
         super().setup(model, optimizer, ctx)
         self.ranges = segment_ranges(model, self.segments)
         self._build_groups()
-        return model
 
     def on_membership_change(self) -> None:
         self._build_groups()

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from algorithms.base import SyncAlgorithm, SyncContext, SyncReport
+from errors import ConfigError, is_int, is_number, require
 
 
 def sparsity_at(step: int, rampup_begin_step: int, rampup_step: int, sparsity: list[float]) -> float | None:
@@ -107,7 +108,6 @@ class DGC(SyncAlgorithm):
     """``sync=dgc``: sparse, error-compensated gradient exchange by allgather of (value, index) pairs."""
 
     name = "dgc"
-    per_rank_state = True  # residuals and momenta differ between ranks
 
     def __init__(
         self,
@@ -126,43 +126,44 @@ class DGC(SyncAlgorithm):
         self.clip_norm, self.momentum_masking, self.fp16_values = clip_norm, momentum_masking, fp16_values
 
     @classmethod
-    def validate(cls, sync_cfg: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
-        from engine.config import ConfigError
-
-        s = sync_cfg["sparsity"]
-        if not isinstance(s, list) or not s:
-            raise ConfigError("sync.sparsity", s, "a non-empty list of fractions dropped, e.g. [0.75, 0.9375, 0.999]")
-        if any(not isinstance(x, (int, float)) or not 0 <= x < 1 for x in s):
-            raise ConfigError("sync.sparsity", s, "fractions in [0, 1)")
-        if any(b <= a for a, b in zip(s, s[1:])):
-            raise ConfigError("sync.sparsity", s, "an increasing list (the warm-up only ever sends less)")
-        r = sync_cfg["rampup_step"]
-        if not (isinstance(r, int) and r >= 1):
-            raise ConfigError("sync.rampup_step", r, "an integer >= 1 (warm-up length in steps)")
-        b = sync_cfg["rampup_begin_step"]
-        if not (isinstance(b, int) and b >= 0):
-            raise ConfigError("sync.rampup_begin_step", b, "a step >= 0")
-        q = sync_cfg["sample_ratio"]
-        if not (isinstance(q, (int, float)) and 0 < q <= 1):
-            raise ConfigError("sync.sample_ratio", q, "a fraction in (0, 1]")
-        n = sync_cfg["min_compress_numel"]
-        if not (isinstance(n, int) and n >= 1):
-            raise ConfigError("sync.min_compress_numel", n, "an integer >= 1")
-        c = sync_cfg["clip_norm"]
-        if c is not None and not (isinstance(c, (int, float)) and c > 0):
-            raise ConfigError("sync.clip_norm", c, "null (off) or a norm > 0")
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        s = section["sparsity"]
+        require(
+            isinstance(s, list) and bool(s),
+            "sync.sparsity",
+            s,
+            "a non-empty list of fractions dropped, e.g. [0.75, 0.9375, 0.999]",
+        )
+        require(all(is_number(x) and 0 <= x < 1 for x in s), "sync.sparsity", s, "fractions in [0, 1)")
+        require(
+            all(b > a for a, b in zip(s, s[1:])),
+            "sync.sparsity",
+            s,
+            "an increasing list (the warm-up only ever sends less)",
+        )
+        r = section["rampup_step"]
+        require(is_int(r) and r >= 1, "sync.rampup_step", r, "an integer >= 1 (warm-up length in steps)")
+        b = section["rampup_begin_step"]
+        require(is_int(b) and b >= 0, "sync.rampup_begin_step", b, "a step >= 0")
+        q = section["sample_ratio"]
+        require(is_number(q) and 0 < q <= 1, "sync.sample_ratio", q, "a fraction in (0, 1]")
+        n = section["min_compress_numel"]
+        require(is_int(n) and n >= 1, "sync.min_compress_numel", n, "an integer >= 1")
+        c = section["clip_norm"]
+        require(c is None or (is_number(c) and c > 0), "sync.clip_norm", c, "null (off) or a norm > 0")
         opt = cfg["optimizer"]
-        if opt["name"] not in ("momentum", "sgd"):
-            raise ConfigError(
-                "optimizer", opt["name"], "momentum or sgd with sync=dgc (DGC applies its own momentum correction)"
-            )
+        require(
+            opt["name"] in ("momentum", "sgd"),
+            "optimizer",
+            opt["name"],
+            "momentum or sgd with sync=dgc (DGC applies its own momentum correction)",
+        )
         if opt["nesterov"]:
             raise ConfigError("optimizer.nesterov", True, "false with sync=dgc (DGC's momentum is heavy-ball)")
-        if world_size < 2:
-            raise ConfigError("trainer.nproc", world_size, "at least 2 processes for sync=dgc (nothing to compress)")
+        require(world_size >= 2, "trainer.nproc", world_size, "at least 2 processes for sync=dgc (nothing to compress)")
 
     # ---- setup -------------------------------------------------------------------------------------------------
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: SyncContext) -> nn.Module:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: SyncContext) -> None:
         super().setup(model, optimizer, ctx)
         params, self.weight_decay = [], []
         self.momentum = 0.0
@@ -196,7 +197,6 @@ class DGC(SyncAlgorithm):
         self.u_dense = {i: torch.zeros_like(params[i]) for i in range(len(params))}  # dense-path momentum
         self.num_params = sum(p.numel() for p in params)
         self.generator = torch.Generator(device=device).manual_seed(1234 + ctx.membership.rank)
-        return model
 
     # ---- the exchange ------------------------------------------------------------------------------------------
     def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
@@ -219,7 +219,7 @@ class DGC(SyncAlgorithm):
             flat[:-1].zero_()  # never ship inf/NaN; the step is skipped anyway
         comm.all_reduce(flat)
         if flat[-1].item() > 0:
-            return SyncReport(grads_finite=False, compute_end=compute_end, extra={"sparsity": sparsity or 0.0})
+            return SyncReport(grads_finite=False, compute_end=compute_end, metrics={"sparsity": sparsity or 0.0})
         offset = 0
         for i in dense_ids:
             numel = self.params[i].numel()
@@ -230,8 +230,8 @@ class DGC(SyncAlgorithm):
         dense_bytes = 2 * (n - 1) / n * 4 * self.num_params  # what allreduce of every gradient would send
         if sparsity is None:
             sent_bytes = 2 * (n - 1) / n * 4 * flat.numel()
-            extra = {"sparsity": 0.0, "density": 1.0, "compress_s": 0.0, "compression": dense_bytes / sent_bytes}
-            return SyncReport(compute_end=compute_end, extra=extra)
+            metrics = {"sparsity": 0.0, "density": 1.0, "compress_s": 0.0, "compression": dense_bytes / sent_bytes}
+            return SyncReport(compute_end=compute_end, metrics=metrics)
 
         # 2) Compressed tensors: momentum correction, accumulation, selection, sparse allgather.
         start = time.perf_counter()
@@ -248,13 +248,13 @@ class DGC(SyncAlgorithm):
             indices.numel() * indices.element_size() + values.numel() * values.element_size()
         )
         dense_numel = flat.numel() - 1
-        extra = {
+        metrics = {
             "sparsity": sparsity,
             "density": (sent + dense_numel) / self.num_params,  # fraction of all gradient entries sent
             "compress_s": compress_s,
             "compression": dense_bytes / sent_bytes,  # vs dense allreduce of every gradient
         }
-        return SyncReport(compute_end=compute_end, extra=extra)
+        return SyncReport(compute_end=compute_end, metrics=metrics)
 
     def accumulate_and_select(
         self, grads: list[torch.Tensor], sparsity: float
@@ -313,17 +313,18 @@ class DGC(SyncAlgorithm):
             values = values.half()
         return indices, values, k_total, sent
 
-    # ---- state ---------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {"u": self.u, "v": self.v, "u_dense": [self.u_dense[i] for i in range(len(self.params))]}
+    # ---- state: all of it is this rank's own -------------------------------------------------------------
+    def local_state_dict(self) -> dict[str, Any]:
+        return {
+            "u": self.u,
+            "v": self.v,
+            "u_dense": [self.u_dense[i] for i in range(len(self.params))],
+            "generator": self.generator.get_state(),  # the threshold samples: resume draws what it would have
+        }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state:
-            return
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
         self.u.copy_(state["u"])
         self.v.copy_(state["v"])
         for i, t in enumerate(state["u_dense"]):
             self.u_dense[i].copy_(t)
-
-    def before_eval(self) -> None:
-        self.ctx.comm.average_buffers(self.model)
+        self.generator.set_state(state["generator"])

@@ -14,26 +14,21 @@ from typing import Any
 
 import torch
 
-from algorithms.base import SyncAlgorithm, SyncReport
+from algorithms.base import StepResult, SyncAlgorithm, SyncReport
+from errors import is_int, require
 
 
 class Gossip(SyncAlgorithm):
-    per_rank_state = True
     evaluates_replicas = True
 
     def __init__(self, period: int = 1, consensus_every: int = 10):
         self.period, self.consensus_every = period, consensus_every
 
     @classmethod
-    def validate(cls, sync_cfg: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
-        from engine.config import ConfigError
-
-        if world_size < 2:
-            raise ConfigError("trainer.nproc", world_size, f"at least 2 processes for sync={cls.name} (gossip)")
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        require(world_size >= 2, "trainer.nproc", world_size, f"at least 2 processes for sync={cls.name} (gossip)")
         for key in ("period", "consensus_every"):
-            v = sync_cfg[key]
-            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-                raise ConfigError(f"sync.{key}", v, "an integer >= 1 (steps)")
+            require(is_int(section[key]) and section[key] >= 1, f"sync.{key}", section[key], "an integer >= 1 (steps)")
 
     def parameters(self) -> list[torch.Tensor]:
         return [p.data for p in self.model.parameters()]
@@ -51,14 +46,14 @@ class Gossip(SyncAlgorithm):
         """One gossip round on the parameters; returns extra metrics (may hold ``events``)."""
         raise NotImplementedError
 
-    def after_optimizer_step(self, step: int) -> SyncReport:
+    def after_optimizer_step(self, result: StepResult) -> SyncReport:
         report = SyncReport()
-        if step % self.period == 0:
-            extra = self.gossip(step)
-            report.events.extend(extra.pop("events", []))
-            report.extra.update(extra)
-        if step % self.consensus_every == 0:
-            report.extra.update(self.consensus())
+        if result.step % self.period == 0:
+            metrics = self.gossip(result.step)
+            report.events.extend(metrics.pop("events", []))
+            report.metrics.update(metrics)
+        if result.step % self.consensus_every == 0:
+            report.metrics.update(self.consensus())
         return report
 
     def consensus(self) -> dict[str, float]:
@@ -80,9 +75,8 @@ class Gossip(SyncAlgorithm):
         tensors = self.parameters() + [b.data for b in self.model.buffers() if b.is_floating_point()]
         comm.all_reduce_coalesced(tensors, average=True)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict()}
+    def local_state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict()}  # this rank's own momentum buffers
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state:
-            self.optimizer.load_state_dict(state["optimizer"])
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])

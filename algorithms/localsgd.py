@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from algorithms.base import SyncAlgorithm, SyncReport
+from algorithms.base import StepResult, SyncAlgorithm, SyncReport
+from errors import is_int, require
 
 
 def adaptive_period(lr_0: float, loss_0: float, lr_t: float, loss_t: float, init_k_steps: int, max_k_steps: int) -> int:
@@ -36,7 +37,6 @@ class LocalSGD(SyncAlgorithm):
     """``sync=localsgd``: synchronous SGD until ``begin_step``, then parameter averaging every ``k_steps``."""
 
     name = "localsgd"
-    per_rank_state = True  # momentum buffers are local unless averaged
 
     def __init__(
         self, begin_step: int = 1, k_steps: int = 1, average_buffers: bool = True, average_momentum: bool = False
@@ -47,15 +47,13 @@ class LocalSGD(SyncAlgorithm):
         self.num_syncs = 0
 
     @classmethod
-    def validate(cls, sync_cfg: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
-        from engine.config import ConfigError
-
-        b = sync_cfg["begin_step"]
-        if not (isinstance(b, int) and b >= 0):
-            raise ConfigError("sync.begin_step", b, "a step >= 0 (synchronous SGD before it)")
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        b = section["begin_step"]
+        require(is_int(b) and b >= 0, "sync.begin_step", b, "a step >= 0 (synchronous SGD before it)")
         for key in ("k_steps", "init_k_steps"):
-            if key in sync_cfg and not (isinstance(sync_cfg[key], int) and sync_cfg[key] >= 1):
-                raise ConfigError(f"sync.{key}", sync_cfg[key], "an integer >= 1 (local steps between averagings)")
+            if key in section:
+                k = section[key]
+                require(is_int(k) and k >= 1, f"sync.{key}", k, "an integer >= 1 (local steps between averagings)")
 
     # ---- hooks ---------------------------------------------------------------------------------------------
     def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
@@ -79,30 +77,31 @@ class LocalSGD(SyncAlgorithm):
             offset += g.numel()
         return SyncReport()
 
-    def after_optimizer_step(self, step: int) -> SyncReport:
+    def after_optimizer_step(self, result: StepResult) -> SyncReport:
+        step = result.step
         if step < self.begin_step:
             return SyncReport()
         if self.next_sync is None:
             self.next_sync = step + self.k_steps
-        extra: dict[str, float] = {"k_steps": self.k_steps}
+        metrics: dict[str, float] = {"k_steps": self.k_steps}
         events: list[dict[str, Any]] = []
         if step + 1 >= self.next_sync:
-            extra.update(self.average())
-            events = self.on_sync(step, extra)
+            metrics.update(self.average(self.sync_payload(result)))
+            events = self.on_sync(result, metrics)
             self.next_sync = step + 1 + self.k_steps
-        return SyncReport(extra=extra, events=events)
+        return SyncReport(metrics=metrics, events=events)
 
-    def on_sync(self, step: int, extra: dict[str, float]) -> list[dict[str, Any]]:
+    def on_sync(self, result: StepResult, metrics: dict[str, float]) -> list[dict[str, Any]]:
         """After an averaging (subclasses adapt the period here)."""
         return []
 
-    def sync_payload(self) -> list[torch.Tensor]:
+    def sync_payload(self, result: StepResult) -> list[torch.Tensor]:
         """Extra scalars to average with the parameters (appended to the same allreduce)."""
         return []
 
-    def average(self) -> dict[str, float]:
-        """Average parameters (+ buffers, + momentum) over the active ranks in one allreduce; return this rank's
-        L2 distance to the average just before it."""
+    def average(self, extras: list[torch.Tensor] = ()) -> dict[str, float]:
+        """Average parameters (+ buffers, + momentum, + ``extras``) over the active ranks in one allreduce (the
+        averaged extras land in ``averaged_extras``); return this rank's L2 distance to the average before it."""
         comm = self.ctx.comm
         params = [p.data for p in self.model.parameters()]
         tensors = list(params)
@@ -114,7 +113,6 @@ class LocalSGD(SyncAlgorithm):
                 for s in self.optimizer.state.values()
                 if isinstance(s.get("momentum_buffer"), torch.Tensor)
             ]
-        extras = self.sync_payload()
         flat = torch.cat([t.reshape(-1).float() for t in tensors] + [e.reshape(-1).float() for e in extras])
         local = flat[: sum(p.numel() for p in params)].clone()
         comm.all_reduce(flat)
@@ -141,15 +139,17 @@ class LocalSGD(SyncAlgorithm):
             "next_sync": -1 if self.next_sync is None else self.next_sync,
             "k_steps": self.k_steps,
             "num_syncs": self.num_syncs,
-            "optimizer": self.optimizer.state_dict(),  # this rank's own momentum buffers
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state:
-            return
         self.next_sync = None if state["next_sync"] < 0 else state["next_sync"]
         self.k_steps = state["k_steps"]
         self.num_syncs = state["num_syncs"]
+
+    def local_state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict()}  # this rank's own momentum buffers
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
@@ -172,33 +172,30 @@ class AdaptiveLocalSGD(LocalSGD):
         self.loss_0: float | None = None
 
     @classmethod
-    def validate(cls, sync_cfg: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
-        from engine.config import ConfigError
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        super().validate(section, cfg, world_size)
+        m, i = section["max_k_steps"], section["init_k_steps"]
+        require(is_int(m) and m >= i, "sync.max_k_steps", m, f"an integer >= sync.init_k_steps ({i})")
 
-        super().validate(sync_cfg, cfg, world_size)
-        m, i = sync_cfg["max_k_steps"], sync_cfg["init_k_steps"]
-        if not (isinstance(m, int) and m >= i):
-            raise ConfigError("sync.max_k_steps", m, f"an integer >= sync.init_k_steps ({i})")
-
-    def after_optimizer_step(self, step: int) -> SyncReport:
-        if self.lr_0 is None and step >= self.begin_step:
+    def after_optimizer_step(self, result: StepResult) -> SyncReport:
+        if self.lr_0 is None and result.step >= self.begin_step:
             # lr_0 and loss_0 at the first local step (after any LR warm-up that the synchronous phase covers);
             # the loss averaged over the ranks (one scalar allreduce, once).
-            loss = torch.tensor([self.ctx.get_loss()], dtype=torch.float64, device=self.ctx.device)
-            self.lr_0, self.loss_0 = self.ctx.get_lr(), float(self.ctx.comm.all_reduce_mean(loss).item())
-        return super().after_optimizer_step(step)
+            loss = torch.tensor([result.loss], dtype=torch.float64, device=self.ctx.device)
+            self.lr_0, self.loss_0 = result.lr, float(self.ctx.comm.all_reduce_mean(loss).item())
+        return super().after_optimizer_step(result)
 
-    def sync_payload(self) -> list[torch.Tensor]:
-        return [torch.tensor([self.ctx.get_loss()], device=self.ctx.device)]
+    def sync_payload(self, result: StepResult) -> list[torch.Tensor]:
+        return [torch.tensor([result.loss], device=self.ctx.device)]
 
-    def on_sync(self, step: int, extra: dict[str, float]) -> list[dict[str, Any]]:
-        loss_t, lr_t = float(self.averaged_extras[0]), self.ctx.get_lr()
+    def on_sync(self, result: StepResult, metrics: dict[str, float]) -> list[dict[str, Any]]:
+        loss_t, lr_t = float(self.averaged_extras[0]), result.lr
         k = adaptive_period(self.lr_0, self.loss_0, lr_t, loss_t, self.init_k_steps, self.max_k_steps)
-        extra["avg_loss"] = loss_t
+        metrics["avg_loss"] = loss_t
         if k == self.k_steps:
             return []
         old, self.k_steps = self.k_steps, k
-        extra["k_steps"] = k
+        metrics["k_steps"] = k
         return [
             {
                 "event": "k_changed",
@@ -217,8 +214,6 @@ class AdaptiveLocalSGD(LocalSGD):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state:
-            return
         super().load_state_dict(state)
         self.lr_0 = None if state["lr_0"] < 0 else state["lr_0"]
         self.loss_0 = None if state["loss_0"] < 0 else state["loss_0"]

@@ -1,23 +1,85 @@
-"""The active process group.
+"""Membership: the engine's quorum service. Which ranks are in the run, their process group, how they agree.
 
 Every collective of the trainer and of the sync algorithms runs on ``Membership.group``, never on the world
-group directly, so an algorithm that evicts ranks (relaxed sync) changes one object and everything else
-(samplers, metric reductions, the checkpoint writer, the logging rank) follows.
+group, so that one object changes when ranks leave and everything else (samplers, metric reductions, the
+checkpoint writer, the logging rank) follows.
+
+Ranks leave only through :meth:`Membership.remove`, whoever asks: relaxed sync because a rank is too slow,
+and, built on the same call, a failure handler because a collective failed or a rank missed its deadline.
+The call is a collective over the active ranks: each proposes the ranks to remove, all adopt the first
+proposal written to the c10d store (so a divergent proposal can never split the group), the survivors build
+their new group with ``new_group(..., use_local_synchronization=True)`` (the removed ranks need not take
+part), and on a removed rank it raises :class:`LeftRun`. That exception is the one "this rank has left"
+signal: it unwinds through whatever called it to where the worker runs, which closes its files and ends the
+process with status 0 (torchrun stops every worker when one exits non-zero). A removed rank never touches a
+collective again.
+
+Under torch's elastic launcher and torchrun the store lives in the agent, so any rank, rank 0 included, can
+leave; after an elastic restart the agent's store still holds the previous attempt's keys, so every key
+carries the restart count.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
 import torch.distributed as dist
+
+_instances = itertools.count()  # Memberships made in this process: every rank makes them in the same order
+
+
+class LeftRun(SystemExit):
+    """This rank is no longer part of the run (evicted, or given up by the others); it ends with status 0.
+
+    A ``SystemExit`` so that, uncaught (the CAC drop-in inside a user's script), the process still exits 0,
+    and so that no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, rank: int, reason: str):
+        super().__init__(0)
+        self.rank, self.reason = rank, reason
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} {self.reason}"
+
+
+@dataclass(frozen=True)
+class Change:
+    """One agreed change of the active ranks."""
+
+    generation: int  # 1 for the first change of the run
+    removed: list[int]
+    ranks: list[int]  # the active ranks after it
+    cause: str  # e.g. "slow"
+
+
+def host_names() -> list[str]:
+    """Collective over the world group: every rank's host name, in rank order."""
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts
 
 
 class Membership:
-    """The set of active global ranks and their process group."""
+    """The set of active global ranks, their process group, and agreement among them."""
 
-    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup | None = None):
+    def __init__(
+        self, rank: int, world_size: int, group: dist.ProcessGroup | None = None, hosts: list[str] | None = None
+    ):
         self.rank = rank
         self.initial_size = world_size
         self.ranks: list[int] = list(range(world_size))
         self.group = group if group is not None else dist.group.WORLD
+        self.hosts = hosts if hosts is not None else [""] * world_size  # rank -> host name, for the record
+        self.generation = 0  # how many changes so far
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._prefix = f"relaxsync/restart{restart}/membership{next(_instances)}"
+        self._agreements = 0
+        self._store: Any = None
 
     @property
     def size(self) -> int:
@@ -29,10 +91,6 @@ class Membership:
         return self.ranks.index(self.rank)
 
     @property
-    def active(self) -> bool:
-        return self.rank in self.ranks
-
-    @property
     def logging_rank(self) -> int:
         """The lowest active rank writes logs, metrics and checkpoints."""
         return min(self.ranks)
@@ -41,10 +99,34 @@ class Membership:
     def is_logging_rank(self) -> bool:
         return self.rank == self.logging_rank
 
-    def replace(self, ranks: list[int], group: dist.ProcessGroup | None) -> None:
-        """Switch to a new set of active ranks (``group`` is None on ranks that left)."""
-        self.ranks = sorted(ranks)
-        self.group = group
+    # ---- agreement -------------------------------------------------------------------------------------------
+    def agree(self, topic: str, proposal: Any) -> Any:
+        """Collective over the active ranks, in call order: every rank proposes a JSON-able value and every
+        rank gets back the first one written to the store (first writer wins)."""
+        if self._store is None:
+            self._store = dist.distributed_c10d._get_default_store()
+        self._agreements += 1
+        key = f"{self._prefix}/{self._agreements}/{topic}"
+        return json.loads(self._store.compare_set(key, "", json.dumps(proposal)))
+
+    def remove(self, ranks: list[int], cause: str, reasons: dict[int, str] | None = None) -> Change | None:
+        """Collective over the active ranks: agree on the ranks to remove (each rank proposes ``ranks``), then
+        regroup. Returns the change on the survivors (None when the agreed set is empty); on a removed rank it
+        prints ``reasons[rank]`` (or ``cause``) and raises :class:`LeftRun`."""
+        agreed = self.agree("remove", {"ranks": sorted(set(ranks)), "cause": cause})
+        removed = [r for r in agreed["ranks"] if r in self.ranks]
+        if not removed:
+            return None
+        survivors = [r for r in self.ranks if r not in removed]
+        self.generation += 1
+        if self.rank in removed:
+            self.ranks, self.group = survivors, None
+            reason = (reasons or {}).get(self.rank, f"removed ({agreed['cause']})")
+            print(f"relaxsync: rank {self.rank} {reason}; exiting", flush=True)
+            raise LeftRun(self.rank, reason)
+        self.group = dist.new_group(survivors, use_local_synchronization=True)
+        self.ranks = survivors
+        return Change(self.generation, removed, survivors, agreed["cause"])
 
     def __repr__(self) -> str:
         return f"Membership(rank={self.rank}, ranks={self.ranks}, initial_size={self.initial_size})"

@@ -19,6 +19,7 @@ from torch import nn
 from algorithms.base import SyncContext
 from algorithms.gossip import Gossip
 from algorithms.topology import build_topology
+from errors import is_int, require
 
 GRAPHS = ("exponential", "ring")
 
@@ -41,24 +42,22 @@ class SGP(Gossip):
         self.weight = 1.0  # push-sum weight; the weights of all ranks sum to N
 
     @classmethod
-    def validate(cls, sync_cfg: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
-        from engine.config import ConfigError
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        super().validate(section, cfg, world_size)
+        graph = section["graph"]
+        require(graph in GRAPHS, "sync.graph", graph, f"one of {', '.join(GRAPHS)}")
+        p = section["peers_per_itr"]
+        require(
+            is_int(p) and 1 <= p < world_size,
+            "sync.peers_per_itr",
+            p,
+            f"an integer in [1, {world_size - 1}] (fewer than the world size)",
+        )
+        require(graph != "ring" or p == 1, "sync.peers_per_itr", p, "1 with sync.graph=ring")
 
-        super().validate(sync_cfg, cfg, world_size)
-        if sync_cfg["graph"] not in GRAPHS:
-            raise ConfigError("sync.graph", sync_cfg["graph"], f"one of {', '.join(GRAPHS)}")
-        p = sync_cfg["peers_per_itr"]
-        if not (isinstance(p, int) and 1 <= p < world_size):
-            raise ConfigError(
-                "sync.peers_per_itr", p, f"an integer in [1, {world_size - 1}] (fewer than the world size)"
-            )
-        if sync_cfg["graph"] == "ring" and p != 1:
-            raise ConfigError("sync.peers_per_itr", p, "1 with sync.graph=ring")
-
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: SyncContext) -> nn.Module:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: SyncContext) -> None:
         super().setup(model, optimizer, ctx)
         self.topology = build_topology(self.graph, ctx.membership.size, self.peers_per_itr)
-        return model
 
     def on_membership_change(self) -> None:
         self.topology = build_topology(self.graph, self.ctx.membership.size, self.peers_per_itr)
@@ -89,10 +88,9 @@ class SGP(Gossip):
         super().before_eval()
         self.weight = 1.0  # the replicas now hold the average itself
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "weight": self.weight}
+    def local_state_dict(self) -> dict[str, Any]:
+        return {**super().local_state_dict(), "weight": self.weight}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state:
-            super().load_state_dict(state)
-            self.weight = state["weight"]
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_local_state_dict(state)
+        self.weight = state["weight"]

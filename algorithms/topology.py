@@ -1,4 +1,5 @@
-"""Peer schedules for gossip: who sends to whom at each step (and, for Crossover-SGD, for each segment).
+"""Peer schedules: who sends to whom at each gossip step (and, for Crossover-SGD, for each segment), and the
+round-robin pairing of link probes.
 
 Ranks here are positions ``0..n-1`` among the active ranks; the caller maps them to global ranks. Every
 schedule is a function of (step, segment) alone, so all ranks compute the same graph without talking.
@@ -97,3 +98,16 @@ def build_topology(name: str, n: int, peers_per_itr: int = 1, seed: int = 0) -> 
     if name == "load_balanced":
         return LoadBalancedRandom(n, seed)
     raise ValueError(f"unknown topology {name!r}: expected exponential, ring or load_balanced")
+
+
+def round_robin(ranks: list[int]) -> list[list[tuple[int, int]]]:
+    """Rounds in which every pair of ``ranks`` meets exactly once and no rank is in two pairs of a round (the
+    circle method: one rank fixed, the others rotating; with an odd count, one rank sits each round out)."""
+    order: list[int | None] = list(ranks) + ([None] if len(ranks) % 2 else [])
+    n = len(order)
+    rounds = []
+    for _ in range(n - 1):
+        pairs = [(order[i], order[n - 1 - i]) for i in range(n // 2)]
+        rounds.append([(a, b) for a, b in pairs if a is not None and b is not None])
+        order = [order[0], order[-1], *order[1:-1]]
+    return rounds

@@ -8,9 +8,10 @@ burst = max(32 KiB, 1.1 ms x rate): smaller bursts cap throughput well below the
 (``netem``, and so latency, is not available everywhere). The namespaces hold the only addresses used; nothing
 touches the host's own interfaces.
 
-Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2's ``ip`` and ``tc``; ``unavailable()`` says what is
-missing. Namespaces are deleted on exit, on Ctrl-C and on SIGTERM; a run killed outright leaves its namespaces
-named with its pid, and the next run deletes those whose pid is gone.
+Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN), iproute2's ``ip`` and ``tc``, and util-linux's ``unshare`` (each node
+runs under a host name of its own); ``unavailable()`` says what is missing. Namespaces are deleted on exit, on
+Ctrl-C and on SIGTERM; a run killed outright leaves its namespaces named with its pid, and the next run deletes
+those whose pid is gone.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def unavailable() -> str | None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"needs iproute2's `{tool}`, which is not on PATH (Debian/Ubuntu: apt install iproute2)"
+    if shutil.which("unshare") is None:
+        return "needs util-linux's `unshare` (each node's own host name), which is not on PATH"
     probe = f"{PREFIX}-probe{os.getpid()}"
     try:
         _run(["ip", "netns", "add", probe])
@@ -197,9 +200,19 @@ class EmulatedNetwork:
         return int(out.stdout)
 
     # ---- processes -------------------------------------------------------------------------------------
+    def hostname(self, node: int) -> str:
+        """The host name processes of ``node`` see (each node has a UTS namespace of its own)."""
+        return self.ns(node)
+
+    def node_of(self, hostname: str) -> int:
+        """The node whose processes report ``hostname``."""
+        return next(i for i in range(self.nodes) if self.hostname(i) == hostname)
+
     def popen(self, node: int, cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:
-        """Start ``cmd`` inside ``node`` in a session of its own (so it can be stopped with its children)."""
-        proc = subprocess.Popen([*self.prefix(node), *cmd], start_new_session=True, **kwargs)
+        """Start ``cmd`` inside ``node``, under the node's own host name, in a session of its own (so it can be
+        stopped with its children)."""
+        named = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.hostname(node), *cmd]
+        proc = subprocess.Popen([*self.prefix(node), *named], start_new_session=True, **kwargs)
         self._procs.append(proc)
         return proc
 

@@ -75,7 +75,7 @@ def run_job(
     net: EmulatedNetwork, overrides: list[str], steps: int, job_id: str, port: int, workdir: Path, timeout_s: float
 ) -> dict[str, Any]:
     """``train.py OVERRIDES`` as one job across all nodes of ``net`` (one torchrun per node, one worker each);
-    returns its metrics, the node logs and the bytes each node sent."""
+    returns its metrics and the bytes each node sent (the node logs stay in the run dir)."""
     run_dir = workdir / job_id
     run_dir.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
@@ -110,7 +110,6 @@ def run_job(
     tx = [net.tx_bytes(i) - b for i, b in enumerate(tx_before)]
     return {
         "metrics": read_metrics(str(run_dir / "metrics.jsonl")),
-        "logs": [p.read_text() for p in logs],
         "node_tx_bytes": tx,
         "wall_s": wall_s,
     }
@@ -214,7 +213,7 @@ def straggler(args: argparse.Namespace, workdir: Path, emit) -> list[dict[str, A
             runs.append(
                 record(
                     run, job,
-                    lambda out: straggler_summary(out, args.check_every),
+                    lambda out: straggler_summary(out, args.check_every, net.node_of),
                     lambda r: f"{r['step_s_before']:.3f} s/step before the first check, {r['step_s_after']:.3f} "
                     f"after; evicted node(s): {r['evicted_nodes']}",
                     emit,
@@ -223,14 +222,14 @@ def straggler(args: argparse.Namespace, workdir: Path, emit) -> list[dict[str, A
     return runs
 
 
-def straggler_summary(out: dict[str, Any], check_every: int) -> dict[str, Any]:
+def straggler_summary(out: dict[str, Any], check_every: int, node_of: Callable[[str], int]) -> dict[str, Any]:
     metrics = out["metrics"]
     steps = [r for r in metrics if r["kind"] == "train"]
     checks = [r for r in metrics if r["kind"] == "event" and r["event"] == "relaxed_check"]
     evictions = [r for r in metrics if r["kind"] == "event" and r["event"] == "evict"]
     before = [r["step_s"] for r in steps if 1 <= r["step"] < check_every]
     after = [r["step_s"] for r in steps if r["step"] > check_every]
-    evicted_nodes = [i for i, log in enumerate(out["logs"]) if "evicted (" in log]
+    evicted_nodes = sorted(node_of(host) for e in evictions for host in e["hosts"].values())
     return {
         "step_s_before": median(before),
         "step_s_after": median(after),

@@ -5,14 +5,17 @@ from __future__ import annotations
 import os
 
 from data.common import DataBundle
+from errors import require
 
 
-def validate(cfg: dict) -> None:
-    from engine.config import ConfigError
-
-    root = cfg["root"]
-    if not (isinstance(root, str) and os.path.isdir(os.path.join(root, "cifar-10-batches-py"))):
-        raise ConfigError("data.root", root, "a directory containing cifar-10-batches-py (no download is attempted)")
+def validate(section: dict, cfg: dict, world_size: int) -> None:
+    root = section["root"]
+    require(
+        isinstance(root, str) and os.path.isdir(os.path.join(root, "cifar-10-batches-py")),
+        "data.root",
+        root,
+        "a directory containing cifar-10-batches-py (no download is attempted)",
+    )
 
 
 def build(root: str, image_size: int = 32) -> DataBundle:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-# Keys of conf/data/*.yaml that configure loaders rather than the dataset.
+# Keys of conf/data/*.yaml that configure loaders rather than the dataset (validated by the engine).
 LOADER_KEYS = ("_target_", "batch_size", "num_workers")
 
 
@@ -27,24 +27,6 @@ def build_data(cfg_data: dict[str, Any]) -> DataBundle:
     module_name, fn_name = cfg_data["_target_"].rsplit(".", 1)
     fn = getattr(importlib.import_module(module_name), fn_name)
     return fn(**{k: v for k, v in cfg_data.items() if k not in LOADER_KEYS})
-
-
-def validate_data(cfg_data: dict[str, Any]) -> None:
-    from engine.config import ConfigError
-
-    bs = cfg_data.get("batch_size")
-    if not (isinstance(bs, int) and not isinstance(bs, bool) and bs >= 1):
-        raise ConfigError("data.batch_size", bs, "an integer >= 1 (samples per process)")
-    nw = cfg_data.get("num_workers")
-    if not (isinstance(nw, int) and not isinstance(nw, bool) and nw >= 0):
-        raise ConfigError("data.num_workers", nw, "an integer >= 0")
-    module_name = cfg_data["_target_"].rsplit(".", 1)[0]
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError("data._target_", cfg_data["_target_"], f"an importable builder ({exc})") from exc
-    if hasattr(module, "validate"):
-        module.validate(cfg_data)
 
 
 class ShardSampler(Sampler[int]):

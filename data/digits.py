@@ -9,15 +9,13 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from data.common import DataBundle
+from errors import is_int, is_number, require
 
 
-def validate(cfg: dict) -> None:
-    from engine.config import ConfigError
-
-    if not (isinstance(cfg["image_size"], int) and cfg["image_size"] >= 8):
-        raise ConfigError("data.image_size", cfg["image_size"], "an integer >= 8 (pixels)")
-    if not (0 < cfg["val_fraction"] < 1):
-        raise ConfigError("data.val_fraction", cfg["val_fraction"], "a number in (0, 1)")
+def validate(section: dict, cfg: dict, world_size: int) -> None:
+    size, fraction = section["image_size"], section["val_fraction"]
+    require(is_int(size) and size >= 8, "data.image_size", size, "an integer >= 8 (pixels)")
+    require(is_number(fraction) and 0 < fraction < 1, "data.val_fraction", fraction, "a number in (0, 1)")
 
 
 def load_tensors(image_size: int = 32, val_fraction: float = 0.2, split_seed: int = 0):

@@ -9,20 +9,22 @@ import os
 from torchvision.datasets import ImageFolder
 
 from data.common import DataBundle
+from errors import is_number, require
 
 
-def validate(cfg: dict) -> None:
-    from engine.config import ConfigError
-
-    root = cfg["root"]
-    if not (isinstance(root, str) and os.path.isdir(root)):
-        raise ConfigError("data.root", root, "an existing directory in ImageNet layout (<root>/train/<class>/...)")
+def validate(section: dict, cfg: dict, world_size: int) -> None:
+    root = section["root"]
+    require(
+        isinstance(root, str) and os.path.isdir(root),
+        "data.root",
+        root,
+        "an existing directory in ImageNet layout (<root>/train/<class>/...)",
+    )
     for key in ("train_split", "val_split"):
-        path = os.path.join(root, cfg[key])
-        if not os.path.isdir(path):
-            raise ConfigError(f"data.{key}", cfg[key], f"a sub-directory of data.root (no {path})")
-    if not (0 < cfg["crop_pct"] <= 1):
-        raise ConfigError("data.crop_pct", cfg["crop_pct"], "a number in (0, 1]")
+        path = os.path.join(root, section[key])
+        require(os.path.isdir(path), f"data.{key}", section[key], f"a sub-directory of data.root (no {path})")
+    crop = section["crop_pct"]
+    require(is_number(crop) and 0 < crop <= 1, "data.crop_pct", crop, "a number in (0, 1]")
 
 
 def build(

@@ -7,11 +7,10 @@ import torch
 from torch.utils.data import Dataset
 
 from data.common import DataBundle
+from errors import is_int, require
 
 
-def validate(cfg: dict) -> None:
-    from engine.config import ConfigError
-
+def validate(section: dict, cfg: dict, world_size: int) -> None:
     for key, low in (
         ("num_samples", 1),
         ("num_val_samples", 1),
@@ -19,9 +18,7 @@ def validate(cfg: dict) -> None:
         ("channels", 1),
         ("num_classes", 2),
     ):
-        v = cfg[key]
-        if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
-            raise ConfigError(f"data.{key}", v, f"an integer >= {low}")
+        require(is_int(section[key]) and section[key] >= low, f"data.{key}", section[key], f"an integer >= {low}")
 
 
 class SyntheticImages(Dataset):

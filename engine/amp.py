@@ -13,12 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from errors import is_number, require
+
 
 class AmpBackend:
     name = "base"
 
     @classmethod
-    def validate(cls, cfg_amp: dict[str, Any]) -> None:
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
         """Raise ``ConfigError`` before any worker starts."""
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
@@ -68,15 +70,13 @@ class TorchAmp(AmpBackend):
         self.dtype_name, self.scaler_mode, self.init_scale = dtype, scaler, init_scale
 
     @classmethod
-    def validate(cls, cfg_amp: dict[str, Any]) -> None:
-        from engine.config import ConfigError
-
-        if cfg_amp["dtype"] not in ("auto", *cls.DTYPES):
-            raise ConfigError("amp.dtype", cfg_amp["dtype"], "one of auto, bfloat16, float16")
-        if cfg_amp["scaler"] not in ("auto", True, False):
-            raise ConfigError("amp.scaler", cfg_amp["scaler"], "one of auto, true, false")
-        if not cfg_amp["init_scale"] > 0:
-            raise ConfigError("amp.init_scale", cfg_amp["init_scale"], "a number > 0")
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        require(
+            section["dtype"] in ("auto", *cls.DTYPES), "amp.dtype", section["dtype"], "one of auto, bfloat16, float16"
+        )
+        require(section["scaler"] in ("auto", True, False), "amp.scaler", section["scaler"], "one of auto, true, false")
+        s = section["init_scale"]
+        require(is_number(s) and s > 0, "amp.init_scale", s, "a number > 0")
 
     def setup(self, model, optimizer, device):
         super().setup(model, optimizer, device)
@@ -171,17 +171,12 @@ class ApexAmp(AmpBackend):
         self.opt_level, self.loss_scale_cfg = opt_level, loss_scale
 
     @classmethod
-    def validate(cls, cfg_amp: dict[str, Any]) -> None:
-        from engine.config import ConfigError
-
-        if cfg_amp["opt_level"] not in cls.OPT_LEVELS:
-            raise ConfigError("amp.opt_level", cfg_amp["opt_level"], "one of O0, O1, O2, O3")
-        ls = cfg_amp["loss_scale"]
-        if ls != "dynamic" and not (isinstance(ls, (int, float)) and ls > 0):
-            raise ConfigError("amp.loss_scale", ls, "dynamic or a number > 0")
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        require(section["opt_level"] in cls.OPT_LEVELS, "amp.opt_level", section["opt_level"], "one of O0, O1, O2, O3")
+        ls = section["loss_scale"]
+        require(ls == "dynamic" or (is_number(ls) and ls > 0), "amp.loss_scale", ls, "dynamic or a number > 0")
         missing = probe_apex()
-        if missing:
-            raise ConfigError("amp", "apex", f"NVIDIA apex with apex.amp and CUDA: {missing}")
+        require(missing is None, "amp", "apex", f"NVIDIA apex with apex.amp and CUDA: {missing}")
 
     def setup(self, model, optimizer, device):
         super().setup(model, optimizer, device)

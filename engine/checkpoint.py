@@ -1,7 +1,9 @@
-"""Checkpoints: written atomically by the logging rank, read back with ``weights_only=True``.
+"""Checkpoints: written atomically, read back with ``weights_only=True``; :class:`Checkpointer` is the policy.
 
-A checkpoint holds the model (unwrapped), optimizer, AMP scaler, LR schedule, sync-algorithm state, the
-position (epoch, step, step within the epoch) and the resolved config as a plain dict.
+``checkpoints/last.pt`` (written by the logging rank) holds the model (unwrapped), optimizer, AMP scaler, LR
+schedule, the sync algorithm's shared state, the position (epoch, step, step within the epoch) and the resolved
+config as a plain dict. Beside it, ``sync_rank<r>.pt`` holds rank r's own sync state (DGC residuals, local
+momenta), written by that rank, tagged with the step so that a stale one is never mistaken for current.
 """
 
 from __future__ import annotations
@@ -49,3 +51,42 @@ def resolve_resume(resume: str | None, run_dir: str) -> str | None:
         path = os.path.join(checkpoint_dir(run_dir), LAST)
         return path if os.path.isfile(path) else None
     return resume
+
+
+class Checkpointer:
+    """When to checkpoint, what each rank writes, and what a resumed rank reads back."""
+
+    def __init__(self, run_dir: str, rank: int, checkpoint_every: int, resume: str | None):
+        self.rank, self.every = rank, checkpoint_every
+        self.path = os.path.join(checkpoint_dir(run_dir), LAST)
+        self.resume_path = resolve_resume(resume, run_dir)
+
+    def due(self, epoch: int, finished_epoch: bool, last: bool, stop: bool) -> bool:
+        """After ``epoch``: at the end of the run, when stopping early, and every ``checkpoint_every`` epochs."""
+        return last or stop or bool(self.every and finished_epoch and (epoch + 1) % self.every == 0)
+
+    def local_path(self, checkpoint_path: str) -> str:
+        return os.path.join(os.path.dirname(checkpoint_path), f"sync_rank{self.rank}.pt")
+
+    def save(self, state: dict[str, Any] | None, local: dict[str, Any], step: int) -> None:
+        """Collective in effect: every rank writes its own ``local`` sync state (if any); the logging rank, the one
+        passing ``state``, writes the checkpoint itself."""
+        if local:
+            save_atomic({"sync": local, "step": step}, self.local_path(self.path))
+        if state is not None:
+            save_atomic(state, self.path)
+
+    def load(self) -> dict[str, Any] | None:
+        """The checkpoint to resume from, or None for a fresh run."""
+        return load(self.resume_path) if self.resume_path else None
+
+    def load_local(self, step: int, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any] | None, str]:
+        """This rank's own sync state saved with the checkpoint of ``step``, or None and why there is none (the
+        rank was not in the run at that checkpoint, or the run had fewer ranks)."""
+        path = self.local_path(self.resume_path)
+        if not os.path.isfile(path):
+            return None, f"no {path}"
+        own = load(path, map_location=map_location)
+        if own["step"] != step:
+            return None, f"{path} is from step {own['step']}, the checkpoint from step {step}"
+        return own["sync"], path

@@ -1,40 +1,30 @@
 """Validate the whole config once, in the launcher, before any worker starts.
 
-Every error names the key, the value and what is allowed, in one line.
+Every error names the key, the value and what is allowed, in one line (``errors.ConfigError``). The keys of
+``trainer``, ``optimizer``, ``schedule``, ``model`` and the data loader are checked here; every group chosen
+by a ``_target_`` validates its own section through the one signature of ``errors.py``.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
+from collections.abc import Callable
 from typing import Any
 
-from hydra.utils import get_class
+from hydra.utils import get_object
+
+from errors import ConfigError
+from errors import is_int as _is_int
+from errors import is_number as _is_num
+from errors import require as _check
 
 SCHEDULES = ("cosine", "poly", "step")
 OPTIMIZERS = ("sgd", "momentum", "lars")
 DEVICES = ("auto", "cpu", "cuda")
 NETDEV_DIR = "/sys/class/net"
-
-
-class ConfigError(ValueError):
-    """A bad config value: ``key=value: expected ...``."""
-
-    def __init__(self, key: str, value: Any, allowed: str):
-        self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"{key}={value!r}: expected {allowed}")
-
-
-def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(key, value, allowed)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+TARGET_GROUPS = ("data", "amp", "logger", "sync", "straggler")  # groups that name what builds them
 
 
 def to_plain(cfg: Any) -> dict[str, Any]:
@@ -104,23 +94,31 @@ def validate(cfg: dict[str, Any]) -> None:
     _validate_optimizer(cfg["optimizer"])
     _validate_schedule(cfg["schedule"])
     _validate_model(cfg["model"])
-    for group in ("data", "amp", "logger", "sync", "straggler"):
-        target = cfg[group].get("_target_")
-        _check(isinstance(target, str), f"{group}._target_", target, "a class or function path")
-        try:
-            obj = get_class(target) if group != "data" else None
-        except Exception as exc:  # noqa: BLE001 - report any import failure as a config error
-            raise ConfigError(f"{group}._target_", target, f"an importable class ({exc})") from exc
-        if obj is not None and hasattr(obj, "validate"):
-            if group == "sync":
-                obj.validate(cfg["sync"], cfg, world_size_of(cfg))
-            elif group == "straggler":
-                obj.validate(cfg["straggler"], world_size_of(cfg))
-            else:
-                obj.validate(cfg[group])
-    from data.common import validate_data
+    _validate_loader(cfg["data"])
+    world_size = world_size_of(cfg)
+    for group in TARGET_GROUPS:
+        validator = _validator(group, cfg[group].get("_target_"))
+        if validator is not None:
+            validator(cfg[group], cfg, world_size)
 
-    validate_data(cfg["data"])
+
+def _validator(group: str, target: Any) -> Callable[[dict, dict, int], None] | None:
+    """The ``validate(section, cfg, world_size)`` of what ``target`` names: the class's own, or for a builder
+    function the one beside it in its module."""
+    _check(isinstance(target, str), f"{group}._target_", target, "a class or function path")
+    try:
+        obj = get_object(target)
+    except Exception as exc:  # noqa: BLE001 - report any import failure as a config error
+        raise ConfigError(f"{group}._target_", target, f"an importable class or function ({exc})") from exc
+    if inspect.isclass(obj):
+        return getattr(obj, "validate", None)
+    return getattr(importlib.import_module(obj.__module__), "validate", None)
+
+
+def _validate_loader(d: dict[str, Any]) -> None:
+    bs, nw = d.get("batch_size"), d.get("num_workers")
+    _check(_is_int(bs) and bs >= 1, "data.batch_size", bs, "an integer >= 1 (samples per process)")
+    _check(_is_int(nw) and nw >= 0, "data.num_workers", nw, "an integer >= 0")
 
 
 def _validate_optimizer(o: dict[str, Any]) -> None:

@@ -1,7 +1,8 @@
 """Metrics: ``metrics.jsonl`` (always) and an optional experiment logger (W&B), on the logging rank only.
 
 One JSON object per line, ``kind`` in {train, eval, event, summary}; the logger receives the same values under
-``<kind>/<key>`` names (``train/loss``, ``comm/bytes_sent``, ...).
+``<kind>/<key>`` names (``train/loss``, ``comm/bytes_sent``, ...). :class:`Recorder` is the trainer's side of
+it: which rank writes, the records, the console lines and the W&B event tables.
 """
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from typing import Any
+
+from errors import ConfigError, require
 
 # Train-record keys that W&B files under comm/ rather than train/ (summary totals stay under summary/).
 COMM_KEYS = ("bytes_sent", "payload_bytes", "comm_s", "wire_bytes")
@@ -63,7 +67,7 @@ class ExperimentLogger:
         pass
 
     @classmethod
-    def validate(cls, cfg_logger: dict[str, Any]) -> None:
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
         pass
 
     def start(self, run_dir: str, config: dict[str, Any], sync_name: str) -> None:
@@ -113,11 +117,8 @@ class WandbLogger(ExperimentLogger):
         self.run = None
 
     @classmethod
-    def validate(cls, cfg_logger: dict[str, Any]) -> None:
-        from engine.config import ConfigError
-
-        if cfg_logger["mode"] not in cls.MODES:
-            raise ConfigError("logger.mode", cfg_logger["mode"], "one of offline, online, disabled")
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        require(section["mode"] in cls.MODES, "logger.mode", section["mode"], "one of offline, online, disabled")
         try:
             import wandb  # noqa: F401
         except ImportError as exc:
@@ -158,3 +159,71 @@ class WandbLogger(ExperimentLogger):
                 self.run.summary[key] = value
             self.run.finish()
             self.run = None
+
+
+class Recorder:
+    """The trainer's records and console lines, written by the logging rank (the lowest active one) only.
+
+    Every rank holds one; when the logging rank leaves the run, the next lowest opens ``metrics.jsonl`` (in
+    append mode) and the same W&B run (its id is a function of the run dir) at the next membership change."""
+
+    def __init__(self, run_dir: str, cfg: dict[str, Any], sync_name: str, membership: Any, logger: ExperimentLogger):
+        self.run_dir, self.cfg, self.sync_name = run_dir, cfg, sync_name
+        self.membership, self.logger = membership, logger
+        self.writer: MetricsWriter | None = None
+        self.events: list[dict[str, Any]] = []  # every event record, for the W&B tables at the end
+        self.elect()
+
+    def elect(self) -> None:
+        """Open metrics.jsonl and the logger if this rank is (now) the logging rank."""
+        if self.writer is None and self.membership.is_logging_rank:
+            self.writer = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"))
+            self.logger.start(self.run_dir, self.cfg, self.sync_name)
+
+    def write(self, record: dict[str, Any], step: int) -> None:
+        """One record to metrics.jsonl and the logger (a no-op off the logging rank)."""
+        if self.writer is None:
+            return
+        self.writer.write(record)
+        if record["kind"] != "summary":
+            self.logger.log(record, step=step)
+
+    def event(self, event: dict[str, Any], epoch: int, step: int) -> None:
+        """An event record; its ``message``, if any, also goes to the console."""
+        record = {"kind": "event", "epoch": epoch, "step": step, **event}
+        self.events.append(record)
+        self.write(record, step)
+        if event.get("message"):
+            self.console(event["message"])
+
+    def console(self, message: str) -> None:
+        """A line on the logging rank's console, above the progress bar if one is showing."""
+        if self.membership.is_logging_rank:
+            from tqdm import tqdm
+
+            tqdm.write(message, file=sys.stdout)
+            sys.stdout.flush()
+
+    def finish(self, summary: dict[str, Any], step: int) -> None:
+        """The summary record, one W&B table per event type (``events/evict``, a row per occurrence), and the
+        end of the logger's run."""
+        self.write(summary, step)
+        by_name: dict[str, list[dict[str, Any]]] = {}
+        for event in self.events:
+            by_name.setdefault(event["event"], []).append(event)
+        for name, rows in by_name.items():
+            columns = sorted({k for row in rows for k in row if k not in ("kind", "event", "message")})
+            self.logger.log_table(f"events/{name}", columns, [[_cell(row.get(c)) for c in columns] for row in rows])
+        self.logger.finish(summary)
+
+    def close(self, left: bool = False) -> None:
+        """Close metrics.jsonl; a rank that ``left`` the run also ends its logger's run (keeping what it logged)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if left:
+            self.logger.finish(None)
+
+
+def _cell(value: Any) -> Any:
+    return value if isinstance(value, (int, float, str, bool)) or value is None else json.dumps(value)

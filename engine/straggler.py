@@ -9,12 +9,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from errors import is_int, is_number, require
+
 
 class NoStraggler:
     """``straggler=none``."""
 
     @classmethod
-    def validate(cls, cfg: dict[str, Any], world_size: int) -> None:
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
         pass
 
     def delay(self, epoch: int, rank: int, world_size: int) -> float:
@@ -46,22 +48,19 @@ class SleepStraggler(NoStraggler):
         self._last_slowed: float | None = None  # compute time (without the sleep) of the last slowed step
 
     @classmethod
-    def validate(cls, cfg: dict[str, Any], world_size: int) -> None:
-        from engine.config import ConfigError
-
-        ranks = cfg["ranks"]
-        if ranks is not None and (
-            not isinstance(ranks, list)
-            or not ranks
-            or any(not isinstance(r, int) or not 0 <= r < world_size for r in ranks)
-        ):
-            raise ConfigError("straggler.ranks", ranks, f"null or a non-empty list of ranks in [0, {world_size - 1}]")
-        if not (isinstance(cfg["start_epoch"], int) and cfg["start_epoch"] >= 0):
-            raise ConfigError("straggler.start_epoch", cfg["start_epoch"], "an epoch >= 0")
-        if not (isinstance(cfg["slowdown"], (int, float)) and cfg["slowdown"] >= 1):
-            raise ConfigError("straggler.slowdown", cfg["slowdown"], "a factor >= 1")
-        if cfg["sleep_s"] is not None and not (isinstance(cfg["sleep_s"], (int, float)) and cfg["sleep_s"] >= 0):
-            raise ConfigError("straggler.sleep_s", cfg["sleep_s"], "null or seconds >= 0")
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        ranks = section["ranks"]
+        require(
+            ranks is None
+            or (isinstance(ranks, list) and bool(ranks) and all(is_int(r) and 0 <= r < world_size for r in ranks)),
+            "straggler.ranks",
+            ranks,
+            f"null or a non-empty list of ranks in [0, {world_size - 1}]",
+        )
+        e, f, s = section["start_epoch"], section["slowdown"], section["sleep_s"]
+        require(is_int(e) and e >= 0, "straggler.start_epoch", e, "an epoch >= 0")
+        require(is_number(f) and f >= 1, "straggler.slowdown", f, "a factor >= 1")
+        require(s is None or (is_number(s) and s >= 0), "straggler.sleep_s", s, "null or seconds >= 0")
 
     def slowed(self, epoch: int, rank: int, world_size: int) -> bool:
         ranks = self.ranks if self.ranks is not None else [world_size - 1]

@@ -27,6 +27,49 @@ def _all_params(trainer) -> list:
 
 
 @record
+def uninterrupted_and_resumed(cfg: dict, run_dir: str) -> None:
+    """For every case in ``<run_dir>/cases.json`` (``{name: resolved config}``, one world size): an uninterrupted
+    run in ``<name>/full`` that keeps a copy of every checkpoint file under ``checkpoints/step<N>/``, then a run in
+    ``<name>/resumed`` that starts from the copy of step ``resume_step`` with ``trainer.resume=auto``. All cases
+    run in these same worker processes, one after another (a new Trainer, membership and sync each time)."""
+    import json
+    import shutil
+
+    from engine import checkpoint
+    from engine.loop import Trainer
+
+    save_atomic = checkpoint.save_atomic
+
+    def save_and_keep(state: dict, path: str) -> None:
+        save_atomic(state, path)
+        kept = os.path.join(os.path.dirname(path), f"step{state['step']}")
+        os.makedirs(kept, exist_ok=True)
+        shutil.copy(path, kept)
+
+    with open(os.path.join(run_dir, "cases.json")) as f:
+        spec = json.load(f)
+    rank = int(os.environ["RANK"])
+    for name, case in spec["cases"].items():
+        full, resumed = os.path.join(run_dir, name, "full"), os.path.join(run_dir, name, "resumed")
+        checkpoint.save_atomic = save_and_keep
+        trainer = Trainer(case, full)
+        trainer.fit()
+        trainer.recorder.close()
+        checkpoint.save_atomic = save_atomic
+        # Each rank copies what it wrote: its own sync state, and the logging rank the checkpoint too.
+        kept = os.path.join(full, "checkpoints", f"step{spec['resume_step']}")
+        os.makedirs(os.path.join(resumed, "checkpoints"), exist_ok=True)
+        for file in os.listdir(kept):
+            if file == f"sync_rank{rank}.pt" or (file == checkpoint.LAST and rank == 0):
+                shutil.copy(os.path.join(kept, file), os.path.join(resumed, "checkpoints", file))
+        dist.barrier()
+        trainer = Trainer({**case, "trainer": {**case["trainer"], "resume": "auto"}}, resumed)
+        trainer.fit()
+        trainer.recorder.close()
+    dist.destroy_process_group()
+
+
+@record
 def fail_on_rank1(cfg: dict, run_dir: str) -> None:
     """Rank 1 raises; rank 0 waits in a barrier that rank 1 never reaches."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -44,10 +87,10 @@ def die_mid_run(cfg: dict, run_dir: str) -> None:
     if trainer.rank == 1:
         original = trainer.sync.after_optimizer_step
 
-        def crash(step: int):
-            if step == 3:
+        def crash(result):
+            if result.step == 3:
                 raise RuntimeError("worker died at step 3")
-            return original(step)
+            return original(result)
 
         trainer.sync.after_optimizer_step = crash
     _fit(trainer)
@@ -104,11 +147,11 @@ def localsgd_watch_replicas(cfg: dict, run_dir: str) -> None:
     log = []
     after = trainer.sync.after_optimizer_step
 
-    def watch(step):
-        report = after(step)
+    def watch(result):
+        report = after(result)
         everyone = _all_params(trainer)
         identical = all(torch.equal(everyone[0], other) for other in everyone[1:])
-        log.append({"step": step, "synced": bool(report.extra.get("synced")), "identical": identical})
+        log.append({"step": result.step, "synced": bool(report.metrics.get("synced")), "identical": identical})
         return report
 
     trainer.sync.after_optimizer_step = watch
@@ -129,7 +172,7 @@ def gossip_from_spread_replicas(cfg: dict, run_dir: str) -> None:
     from engine.loop import Trainer
 
     trainer = Trainer(cfg, run_dir)
-    trainer.set_lr_scale(0.0)  # no gradient steps: only gossip moves the parameters
+    trainer.schedule.scale = 0.0  # no gradient steps: only gossip moves the parameters
     group = trainer.membership.group
     with torch.no_grad():
         g = torch.Generator().manual_seed(100 + trainer.rank)
@@ -142,12 +185,12 @@ def gossip_from_spread_replicas(cfg: dict, run_dir: str) -> None:
     log = []
     after = trainer.sync.after_optimizer_step
 
-    def watch(step):
-        report = after(step)
+    def watch(result):
+        report = after(result)
         now = torch.cat([p.detach().reshape(-1) for p in trainer.raw_model.parameters()])
         weights = torch.tensor([getattr(trainer.sync, "weight", 1.0)], dtype=torch.float64)
         dist.all_reduce(weights, group=group)
-        log.append({"step": step, "error": float((now - average).abs().max()), "weight_sum": float(weights)})
+        log.append({"step": result.step, "error": float((now - average).abs().max()), "weight_sum": float(weights)})
         return report
 
     trainer.sync.after_optimizer_step = watch
@@ -183,8 +226,8 @@ def crossover_watch(cfg: dict, run_dir: str) -> None:
 
     after = sync.after_optimizer_step
 
-    def watch_step(step):
-        report = after(step)
+    def watch_step(result):
+        report = after(result)
         everyone = _all_params(trainer)
         group = [trainer.membership.ranks.index(r) for r in sync.my_group]
         same_in_group.append(all(torch.equal(everyone[group[0]], everyone[i]) for i in group))

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import CONF_DIR, compose_cfg, plain_cfg, run_cli
 
-from engine.config import ConfigError, prepare
+from engine.config import prepare
+from errors import ConfigError
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
@@ -71,6 +72,9 @@ BAD = [
     (["sync=relaxed", "sync.measure=wall"], "sync.measure", "wall", "one of compute, link"),
     (["sync=relaxed", "sync.measure=link"], "sync.measure", "link", "compute with 2 processes"),
     (["sync=relaxed", "sync.link_probe_bytes=0"], "sync.link_probe_bytes", "0", "an integer number of bytes >= 1"),
+    # an inner algorithm's bad value is named under sync.inner; a wrapper does not wrap another wrapper
+    (["sync=relaxed", "sync@sync.inner=dgc", "sync.inner.sparsity=[2.0]"], "sync.inner.sparsity", "[2.0]", "[0, 1)"),
+    (["sync=relaxed", "sync@sync.inner=relaxed"], "sync.inner", "RelaxedSync", "an exchange algorithm, not another"),
     (["trainer.netdev=nosuchnic0"], "trainer.netdev", "nosuchnic0", "null or a network interface of this machine ("),
     (["sync=dgc", "sync.sparsity=[1.0]"], "sync.sparsity", "[1.0]", "fractions in [0, 1)"),
     (["sync=dgc", "sync.sparsity=[]"], "sync.sparsity", "[]", "a non-empty list"),

@@ -192,7 +192,7 @@ def test_apex_backend_drives_apex_amp(monkeypatch):
     monkeypatch.setitem(sys.modules, "apex.amp", fake_apex.amp)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert probe_apex() is None
-    ApexAmp.validate({"opt_level": "O2", "loss_scale": "dynamic"})
+    ApexAmp.validate({"opt_level": "O2", "loss_scale": "dynamic"}, {}, 1)
 
     model = _tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
