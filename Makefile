@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-network clean
+.PHONY: help venv train test test-full lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-network clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -22,7 +22,10 @@ venv: $(STAMP) ## create .venv with the pinned dependencies
 train: $(STAMP) ## train ResNet-50 on digits with 2 processes (W&B offline); extra overrides: ARGS="..."
 	$(PY) train.py $(ARGS)
 
-test: $(STAMP) ## run the test suite (CPU, gloo)
+test: $(STAMP) ## run the test suite (CPU, gloo; what CI runs, ~9 min on 2 cores)
+	$(PY) -m pytest -q -m "not full" $(ARGS)
+
+test-full: $(STAMP) ## the test suite plus the slow tests marked full (~13 min on 2 cores)
 	$(PY) -m pytest -q $(ARGS)
 
 lint: $(STAMP) ## ruff check + format check

@@ -147,6 +147,7 @@ def test_overflow_on_one_rank_skips_the_step_everywhere(tmp_path):
     assert records(metrics, "summary")[0]["replica_spread"] == 0.0
 
 
+@pytest.mark.full  # make test: tests/test_contract.py (dgc alone and inside relaxed, in one launch)
 def test_resume_restores_each_ranks_residuals(tmp_path):
     common = [*FAST, "sync=dgc", "sync.sparsity=[0.99]", "data.batch_size=64", "trainer.epochs=2"]
     train(tmp_path / "full", *common)

@@ -59,7 +59,7 @@ def test_sgp_gossip_converges_to_the_exact_initial_average(tmp_path):
         assert log[-1]["error"] < 1e-5  # ...and gossip alone brings each to the initial average
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.full), 4])
 @pytest.mark.parametrize("sync", ["sgp", "crossover"])
 def test_bytes_per_step_are_the_model_bytes_whatever_n(tmp_path, sync, n):
     _, metrics = train(tmp_path, *FAST, "data=synthetic", f"sync={sync}", f"trainer.nproc={n}", "trainer.max_steps=3")
@@ -105,6 +105,7 @@ def test_crossover_hierarchical_keeps_groups_identical(tmp_path):
     assert [len(log["rounds"]) for log in logs] == [4, 0, 4, 0]  # only the leaders (0 and 2) gossip
 
 
+@pytest.mark.full  # accuracy over 4 epochs x 3 runs; make test: exactness, bytes and replica_top1 (test_contract)
 def test_gossip_trains_close_to_allreduce_and_consensus_tightens(tmp_path):
     common = [*FAST, "data=digits", "trainer.nproc=4", "trainer.epochs=4", "sync.consensus_every=2"]
     top1 = {}

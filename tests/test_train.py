@@ -81,6 +81,7 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path):
     assert records(m1, "eval")[-1]["num_samples"] == 359
 
 
+@pytest.mark.full  # make test: test_contract (every sync option) and the cross-process resume in test_localsgd
 def test_resume_matches_an_uninterrupted_run(tmp_path):
     common = [*FAST, "data=digits", "data.batch_size=64", "trainer.nproc=2", "trainer.epochs=2"]
     _, full = train(tmp_path / "full", *common)
