@@ -3,24 +3,26 @@
 The trainer calls the hooks of exactly one :class:`SyncAlgorithm` in a fixed order and never asks which
 algorithm it runs. Per optimizer step::
 
-    report  = sync.before_step(step)                      # e.g. a straggler check every N steps
+    trainer.apply(sync.before_step(step))                  # e.g. a straggler check every N steps
     with amp.autocast(): loss = criterion(sync.module(x), y)
     amp.backward(loss, optimizer)                          # DDP (if setup() wrapped the model) syncs here
     grads_finite = amp.unscale(optimizer)                  # gradients seen below are unscaled
-    report += sync.after_backward(step, grads_finite)      # gradient exchange (DGC, synchronous local SGD)
+    report = sync.after_backward(step, grads_finite)       # gradient exchange (DGC, synchronous local SGD)
     amp.step(optimizer, report.grads_finite)               # skipped on every rank when False
     report += sync.after_optimizer_step(StepResult(...))   # model exchange (local SGD, gossip)
-    the trainer applies report.requests, then records report.events and report.metrics
+    trainer.apply(report)                                  # then the step's record, with report.metrics
 
-plus ``on_epoch_start(epoch)`` before each epoch's loader is iterated, ``before_eval()`` before each evaluation
-and checkpoint, ``on_membership_change()`` after the active ranks changed, and ``finalize()`` once at the end.
-The forward pass runs through ``sync.module``, read at every step, so an algorithm may rewrap the model.
+plus ``trainer.apply(sync.on_epoch_start(epoch))`` before each epoch's loader is iterated, ``before_eval()``
+before each evaluation and checkpoint, ``on_membership_change()`` after the active ranks changed, and
+``finalize()`` once at the end. The forward pass runs through ``sync.module``, read at every step, so an
+algorithm may rewrap the model.
 
 **One way.** A hook receives what it needs as arguments (``after_optimizer_step`` gets the finished step: its
 loss, learning rate, timings) and returns a :class:`SyncReport` with what it measured (``metrics``), what
 happened (``events``) and what it wants the trainer to do (``requests``: :class:`RebuildTrainLoader`,
 :class:`ScaleLR`). The trainer applies the requests after the hook returns. An algorithm never calls into
-the trainer; ``SyncContext`` holds only runtime objects (communicator, membership, device).
+the trainer; ``SyncContext`` holds only runtime objects (communicator, membership, device). ``apply`` follows
+a membership change, records the events and carries out the requests, in that order.
 
 **Membership.** ``ctx.membership`` (:class:`algorithms.membership.Membership`) owns the active ranks, their
 process group, store-based agreement and regrouping. A policy that wants ranks gone (relaxed sync: too slow)
