@@ -15,7 +15,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from engine.config import ConfigError, prepare
+from engine.config import check_override_keys, prepare
+from errors import ConfigError
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
 
@@ -53,9 +54,10 @@ def worker_main(argv: list[str]) -> None:
     from engine.launch import external_run_dir
     from engine.loop import run_worker
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=argv)
     try:
+        check_override_keys(argv, CONF_DIR)
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose(config_name="train", overrides=argv)
         plain = prepare(cfg)
     except ConfigError as error:
         fail(error)
@@ -68,4 +70,8 @@ if __name__ == "__main__":
     if under_external_launcher():
         worker_main(sys.argv[1:])
     else:
+        try:
+            check_override_keys(sys.argv[1:], CONF_DIR)
+        except ConfigError as error:
+            fail(error)
         main()

@@ -46,6 +46,53 @@ def prepare(cfg: Any) -> dict[str, Any]:
     return plain
 
 
+def check_override_keys(overrides: list[str], conf_dir: str) -> None:
+    """Reject a key override that names no key of the config, with the nearest key, before any composition or
+    worker: Hydra rejects ``trainer.epoch=3`` without naming the key meant, and takes ``+trainer.epoch=3`` (the
+    fix it suggests) silently, so a typo would be ignored. Keys are looked up in the config composed from the
+    same group choices (the first choice of a group swept with ``-m``); ``hydra.*`` keys are Hydra's own."""
+    import difflib
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o and o[0] != "-"])
+    except Exception:  # noqa: BLE001 - malformed overrides are Hydra's to report
+        return
+    groups = {entry.name for entry in os.scandir(conf_dir) if entry.is_dir()}
+    choices, keys = [], []
+    for o in parsed:
+        if o.key_or_group in groups:
+            first = next(o.sweep_string_iterator()) if o.is_sweep_override() else o.value()
+            choices.append(f"{o.get_key_element()}={first}")
+        elif not o.is_delete() and o.key_or_group.split(".")[0] != "hydra":
+            keys.append(o)
+    if not keys:
+        return
+    try:
+        with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
+            reference = compose(config_name="train", overrides=choices)
+    except Exception:  # noqa: BLE001 - an unknown group option is Hydra's to report (it lists the options)
+        return
+    known = [k for k in _leaf_keys(OmegaConf.to_container(reference, resolve=False)) if "._" not in f".{k}"]
+    missing = object()
+    for o in keys:
+        if OmegaConf.select(reference, o.key_or_group, default=missing) is missing:
+            near = difflib.get_close_matches(o.key_or_group, known, n=1, cutoff=0.6)
+            hint = f"did you mean {near[0]}?" if near else "all keys: .venv/bin/python train.py --cfg job"
+            value = o.input_line.split("=", 1)[1] if o.is_sweep_override() else o.value()
+            raise ConfigError(o.key_or_group, value, f"a key of the config ({hint})")
+
+
+def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of every leaf of a nested dict."""
+    if not isinstance(node, dict) or not node:
+        return [prefix]
+    return [leaf for key, value in node.items() for leaf in _leaf_keys(value, f"{prefix}.{key}" if prefix else key)]
+
+
 def world_size_of(cfg: dict[str, Any]) -> int:
     """The number of worker processes this run will have."""
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:

@@ -131,7 +131,7 @@ def test_bad_value_stops_before_any_worker(tmp_path):
 
 
 def test_unknown_group_option_lists_the_options(tmp_path):
-    result = run_cli("sync=nope", f"hydra.run.dir={tmp_path}")
+    result = run_cli("sync=nope", "trainer.epochs=2", f"hydra.run.dir={tmp_path}")  # a key beside it: still Hydra's
     assert result.returncode != 0
     assert "Could not find 'sync/nope'" in result.stderr
     assert re.search(r"Available options in .sync.:(\s+\w+)*\s+allreduce\s", result.stderr)
@@ -145,3 +145,24 @@ def test_apex_error_says_what_is_missing_and_suggests_torch():
         pytest.skip("NVIDIA apex with CUDA is installed here")
     assert "amp=torch" in missing
     assert any(word in missing for word in ("not installed", "apex.amp", "CUDA"))
+
+
+@pytest.mark.parametrize("override", ["+trainer.epoch=3", "trainer.epoch=3"])
+def test_unknown_key_names_the_key_meant(override):
+    from engine.config import check_override_keys
+
+    with pytest.raises(ConfigError) as info:
+        check_override_keys([override, "sync=localsgd", "sync.k_steps=8"], str(CONF_DIR))
+    assert str(info.value) == "trainer.epoch=3: expected a key of the config (did you mean trainer.epochs?)"
+    check_override_keys(["sync=localsgd", "sync.k_steps=8", "+hydra.job.env_set.X=1", "-m"], str(CONF_DIR))
+    with pytest.raises(ConfigError, match=r"sync.k_step=8: .*did you mean sync.k_steps\?"):
+        check_override_keys(["-m", "sync=localsgd,adaptive_localsgd", "sync.k_step=8"], str(CONF_DIR))
+
+
+def test_unknown_key_stops_before_any_worker(tmp_path):
+    result = run_cli("+trainer.epoch=3", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip() == "error: trainer.epoch=3: expected a key of the config (did you mean trainer.epochs?)"
+    )
+    assert "relaxsync:" not in result.stdout and not (tmp_path / "metrics.jsonl").exists()
