@@ -74,7 +74,7 @@ class StepResult:
     """The finished optimizer step, the argument of ``after_optimizer_step``."""
 
     step: int  # global optimizer step, from 0
-    epoch: int
+    epoch: int  # from 1, as everywhere a user reads or sets epochs
     loss: float  # this rank's training loss
     lr: float  # the learning rate this step used
     stepped: bool  # False on an overflow step (skipped on every rank)

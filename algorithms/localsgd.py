@@ -39,7 +39,7 @@ class LocalSGD(SyncAlgorithm):
     name = "localsgd"
 
     def __init__(
-        self, begin_step: int = 1, k_steps: int = 1, average_buffers: bool = True, average_momentum: bool = False
+        self, begin_step: int = 1, k_steps: int = 4, average_buffers: bool = True, average_momentum: bool = False
     ):
         self.begin_step, self.k_steps = begin_step, k_steps
         self.average_buffers, self.average_momentum = average_buffers, average_momentum
@@ -160,7 +160,7 @@ class AdaptiveLocalSGD(LocalSGD):
 
     def __init__(
         self,
-        init_k_steps: int = 1,
+        init_k_steps: int = 4,
         begin_step: int = 1,
         max_k_steps: int = 16,
         average_buffers: bool = True,

@@ -62,8 +62,9 @@ class Checkpointer:
         self.resume_path = resolve_resume(resume, run_dir)
 
     def due(self, epoch: int, finished_epoch: bool, last: bool, stop: bool) -> bool:
-        """After ``epoch``: at the end of the run, when stopping early, and every ``checkpoint_every`` epochs."""
-        return last or stop or bool(self.every and finished_epoch and (epoch + 1) % self.every == 0)
+        """After epoch ``epoch`` (from 1): at the end of the run, when stopping early, and every
+        ``checkpoint_every`` epochs."""
+        return last or stop or bool(self.every and finished_epoch and epoch % self.every == 0)
 
     def local_path(self, checkpoint_path: str) -> str:
         return os.path.join(os.path.dirname(checkpoint_path), f"sync_rank{self.rank}.pt")

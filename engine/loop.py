@@ -28,7 +28,7 @@ from algorithms.membership import LeftRun, Membership, host_names
 from data.common import build_data, steps_per_epoch, train_loader, val_loader
 from engine.checkpoint import Checkpointer
 from engine.evaluate import Evaluator
-from engine.metrics import NetdevCounter, Recorder
+from engine.metrics import NetdevCounter, Recorder, format_summary, shown
 from engine.optim import LRSchedule, build_optimizer, effective_lr
 from models.factory import build_model, num_trainable_parameters
 
@@ -80,9 +80,11 @@ class Trainer:
         self.raw_model, self.optimizer = self.amp.setup(model, self.optimizer, self.device)
         self.criterion = nn.CrossEntropyLoss()
 
-        # Position in the run; overwritten by a resumed checkpoint.
+        # Position in the run (epochs and steps completed; epochs are numbered from 1 wherever a user reads
+        # or sets them, so the epoch in progress is self.epoch + 1); overwritten by a resumed checkpoint.
         self.epoch, self.step, self.step_in_epoch = 0, 0, 0
         self.last_eval: dict[str, Any] | None = None
+        self.best_eval: dict[str, Any] | None = None
         self.checkpointer = Checkpointer(run_dir, self.rank, t["checkpoint_every"], t["resume"])
         state = self.checkpointer.load()
         if state is not None:
@@ -91,7 +93,7 @@ class Trainer:
             self.amp.load_state_dict(state["amp"])
             self.schedule.load_state_dict(state["schedule"])
             self.epoch, self.step, self.step_in_epoch = state["epoch"], state["step"], state["step_in_epoch"]
-            self.last_eval = state.get("last_eval")
+            self.last_eval, self.best_eval = state.get("last_eval"), state.get("best_eval")
 
         self.sync = instantiate(cfg["sync"])
         self.sync.setup(self.raw_model, self.optimizer, SyncContext(self.comm, self.membership, self.device))
@@ -104,14 +106,19 @@ class Trainer:
 
         self.recorder = Recorder(run_dir, cfg, self.sync.name, self.membership, instantiate(cfg["logger"]))
         self.evaluator = Evaluator(self.comm, self.amp.autocast, self.device, self.data.num_classes)
-        hosts = dict(enumerate(self.membership.hosts))
-        self.recorder.event({"event": "world", "world_size": self.world_size, "hosts": hosts}, self.epoch, self.step)
-        if state is not None:
-            self.recorder.event({"event": "resume", "path": self.checkpointer.resume_path}, self.epoch, self.step)
+        if not self.done():  # (a run resumed at its end writes nothing more)
+            now, hosts = self.epoch + 1, dict(enumerate(self.membership.hosts))
+            self.recorder.event({"event": "world", "world_size": self.world_size, "hosts": hosts}, now, self.step)
+            if state is not None:
+                path = self.checkpointer.resume_path
+                self.recorder.event({"event": "resume", "path": path}, now, self.step)
+                self.recorder.console(
+                    f"relaxsync: resumed from step {self.step} (epoch {now} of {t['epochs']}) of {path}"
+                )
         self.recorder.console(
             f"relaxsync: {self.world_size} x {self.device.type}, model {cfg['model']['name']} "
-            f"({self.num_params / 1e6:.2f} M params), sync {self.sync.name}, "
-            f"{self.steps_per_epoch} steps/epoch, global batch {self.batch_size * self.world_size}, run dir {run_dir}"
+            f"({self.num_params / 1e6:.2f} M params), sync {self.sync.name}, {self.steps_per_epoch} steps/epoch, "
+            f"global batch {self.batch_size * self.world_size}, run dir {shown(run_dir)}"
         )
 
     def _resume_sync(self, state: dict[str, Any]) -> None:
@@ -159,29 +166,48 @@ class Trainer:
                 self.recorder.event({**event, "world_size": self.membership.size}, epoch, self.step)
 
     # ---- the loop ------------------------------------------------------------------------------------------
+    def done(self) -> bool:
+        """Whether the run has reached its end (``trainer.epochs`` or ``trainer.max_steps``)."""
+        return self.epoch >= self.cfg["trainer"]["epochs"] or self.step >= self.max_steps
+
     def fit(self) -> dict[str, Any] | None:
+        """Train until the end of the run or ``max_epochs_per_run``; return the summary (logging rank)."""
         t = self.cfg["trainer"]
+        if self.done():
+            return self.already_finished()
         epochs_this_run = 0
         self.netdev = NetdevCounter(t["netdev"]) if t.get("netdev") else None
         train_start = time.perf_counter()
-        while self.epoch < t["epochs"] and self.step < self.max_steps:
-            epoch = self.epoch
+        while not self.done():
+            epoch = self.epoch + 1  # the epoch in progress, from 1
             finished_epoch = self.train_epoch(epoch)
             if finished_epoch:
-                self.epoch, self.step_in_epoch = epoch + 1, 0
-            last = self.epoch >= t["epochs"] or self.step >= self.max_steps
+                self.epoch, self.step_in_epoch = epoch, 0
             epochs_this_run += 1
             stop = t["max_epochs_per_run"] is not None and epochs_this_run >= t["max_epochs_per_run"]
-            if last or (finished_epoch and (epoch + 1) % t["eval_every"] == 0):
+            if self.done() or (finished_epoch and epoch % t["eval_every"] == 0):
                 self.evaluate(epoch)
-            if self.checkpointer.due(epoch, finished_epoch, last, stop):
-                self.save_checkpoint()
+            if self.checkpointer.due(epoch, finished_epoch, self.done(), stop):
+                self.save_checkpoint(epoch)
             if stop:
                 break
         return self.finish(time.perf_counter() - train_start)
 
+    def already_finished(self) -> dict[str, Any]:
+        """A resumed run whose checkpoint is at its end: say so, train nothing, write no summary; return the
+        final top-1 (what a sweeper reads)."""
+        t, last = self.cfg["trainer"], self.last_eval or {}
+        top1 = f"; final top-1 {last['top1']:.2f}%" if last else ""
+        self.recorder.console(
+            f"relaxsync: already finished: {self.checkpointer.resume_path} is at step {self.step}, "
+            f"epoch {self.epoch} of {t['epochs']}{top1}; nothing to train"
+        )
+        self.recorder.logger.finish(None)
+        self.comm.barrier()
+        return {"top1": last.get("top1"), "already_finished": True}
+
     def train_epoch(self, epoch: int) -> bool:
-        """Train one epoch (or its rest, after a mid-epoch resume); return whether it ran to its end."""
+        """Train epoch ``epoch`` (from 1; or its rest, after a mid-epoch resume); return whether it ran to its end."""
         from tqdm import tqdm
 
         t = self.cfg["trainer"]
@@ -193,10 +219,11 @@ class Trainer:
         if self.step_in_epoch:
             sampler.skip(self.step_in_epoch * self.batch_size)
         self.sync.module.train()
+        steps = min(self.steps_per_epoch, self.step_in_epoch + self.max_steps - self.step)  # max_steps may cap it
         bar = tqdm(
-            total=self.steps_per_epoch,
+            total=steps,
             initial=self.step_in_epoch,
-            desc=f"epoch {epoch + 1}/{t['epochs']}",
+            desc=f"epoch {epoch}/{t['epochs']}",
             unit="step",
             disable=not (self.membership.is_logging_rank and t["progress"]),
             dynamic_ncols=True,
@@ -233,7 +260,7 @@ class Trainer:
         backward_end = time.perf_counter()
         report = self.sync.after_backward(self.step, self.amp.unscale(self.optimizer))
         compute_s = (report.compute_end or backward_end) - start
-        lr = self.schedule.apply(self.optimizer, epoch + self.step_in_epoch / self.steps_per_epoch)
+        lr = self.schedule.apply(self.optimizer, self.epoch + self.step_in_epoch / self.steps_per_epoch)
         stepped = self.amp.step(self.optimizer, report.grads_finite)
         result = StepResult(self.step, epoch, loss.item(), lr, stepped, data_s, compute_s)
         report += self.sync.after_optimizer_step(result)
@@ -301,15 +328,18 @@ class Trainer:
             **extra,
         }
         self.last_eval = result
+        if self.best_eval is None or result["top1"] > self.best_eval["top1"]:
+            self.best_eval = result
         self.recorder.write(result, self.step)
         replica_note = f", replicas' own top1 {extra['replica_top1']:.2f}%" if extra else ""
         self.recorder.console(
-            f"eval epoch {epoch + 1}: top1 {result['top1']:.2f}% top5 {result['top5']:.2f}% "
+            f"eval epoch {epoch}: top1 {result['top1']:.2f}% top5 {result['top5']:.2f}% "
             f"loss {result['loss']:.4f} ({result['num_samples']} samples){replica_note}"
         )
         return result
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, epoch: int) -> None:
+        """Checkpoint during or at the end of epoch ``epoch`` (from 1)."""
         self._agree_replicas()
         state = None
         if self.membership.is_logging_rank:
@@ -324,27 +354,35 @@ class Trainer:
                 "step_in_epoch": self.step_in_epoch,
                 "world_size": self.membership.size,
                 "last_eval": self.last_eval,
+                "best_eval": self.best_eval,
                 "config": self.cfg,
             }
         self.checkpointer.save(state, self.sync.local_state_dict(), self.step)
         if state is not None:
-            self.recorder.event({"event": "checkpoint", "path": self.checkpointer.path}, self.epoch, self.step)
+            self.recorder.event({"event": "checkpoint", "path": self.checkpointer.path}, epoch, self.step)
 
     def finish(self, train_s: float) -> dict[str, Any] | None:
+        """End of this invocation: the summary record and the console block (logging rank), then a barrier."""
         self.sync.finalize()
         spread = self.evaluator.replica_spread(self.raw_model)
         summary = None
         if self.membership.is_logging_rank:
-            totals, last = self.comm.totals, self.last_eval or {}
+            m, totals, last, best = self.membership, self.comm.totals, self.last_eval or {}, self.best_eval or {}
             summary = {
                 "kind": "summary",
+                "finished": self.done(),
                 "steps": self.step,
-                "epochs": self.epoch,
-                "world_size": self.membership.size,
-                "initial_world_size": self.membership.initial_size,
-                "ranks": self.membership.ranks,
+                "epochs": self.epoch,  # completed
+                "epoch": self.epoch + (1 if self.step_in_epoch else 0),  # the last one trained in, from 1
+                "world_size": m.size,
+                "initial_world_size": m.initial_size,
+                "ranks": m.ranks,
+                "evictions": m.initial_size - m.size,
+                "evicted_ranks": sorted(set(range(m.initial_size)) - set(m.ranks)),
                 "replica_spread": spread,
                 "train_s": train_s,
+                "steps_this_run": self.recorder.steps.count,
+                **self.recorder.steps.summary(),
                 "bytes_sent": totals.bytes_sent,
                 "payload_bytes": totals.payload_bytes,
                 "comm_s": totals.comm_s,
@@ -352,8 +390,11 @@ class Trainer:
                 "top1": last.get("top1"),
                 "top5": last.get("top5"),
                 "val_loss": last.get("loss"),
+                "best_top1": best.get("top1"),
+                "best_epoch": best.get("epoch"),
             }
             self.recorder.finish(summary, self.step)
+            self.recorder.console(format_summary(summary, self.cfg["trainer"], self.run_dir))
         # Every rank waits for the logging rank to finish logging before any of them closes its connections:
         # gloo can abort a process whose peer disappears while it still works.
         self.comm.barrier()

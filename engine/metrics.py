@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import sys
 from typing import Any
 
@@ -17,6 +18,7 @@ from errors import ConfigError, require
 
 # Train-record keys that W&B files under comm/ rather than train/ (summary totals stay under summary/).
 COMM_KEYS = ("bytes_sent", "payload_bytes", "comm_s", "wire_bytes")
+CONFIG_FILE = "config.yaml"  # the resolved config, saved in the run dir
 
 
 class NetdevCounter:
@@ -82,17 +84,24 @@ class ExperimentLogger:
     def finish(self, summary: dict[str, Any] | None) -> None:
         """End the run; ``summary`` is None on a rank that leaves early (evicted)."""
 
+    def describe(self) -> str | None:
+        """Where this logger's run is, and how to read it, for the console; None if there is nothing to say."""
+        return None
+
 
 class NoLogger(ExperimentLogger):
     """``logger=none``: metrics.jsonl only."""
 
 
-def wandb_keys(record: dict[str, Any]) -> dict[str, Any]:
-    """``{"kind": "train", "loss": 1.0, "bytes_sent": 8}`` -> ``{"train/loss": 1.0, "comm/bytes_sent": 8}``."""
+def wandb_keys(record: dict[str, Any], lists: bool = False) -> dict[str, Any]:
+    """``{"kind": "train", "loss": 1.0, "bytes_sent": 8}`` -> ``{"train/loss": 1.0, "comm/bytes_sent": 8}``;
+    numbers only, and with ``lists`` also lists of numbers (e.g. a summary's evicted ranks)."""
     kind = record.get("kind", "train")
     out = {}
     for key, value in record.items():
-        if key == "kind" or not isinstance(value, (int, float, bool)):
+        number = isinstance(value, (int, float, bool))
+        numbers = lists and isinstance(value, list) and all(isinstance(v, (int, float)) for v in value)
+        if key == "kind" or not (number or numbers):
             continue
         prefix = "comm" if kind == "train" and key in COMM_KEYS else kind
         out[f"{prefix}/{key}"] = value
@@ -155,33 +164,54 @@ class WandbLogger(ExperimentLogger):
 
     def finish(self, summary):
         if self.run is not None:
-            for key, value in wandb_keys(summary or {}).items():
+            for key, value in wandb_keys(summary or {}, lists=True).items():
                 self.run.summary[key] = value
             self.run.finish()
             self.run = None
+
+    def describe(self):
+        if self.run is None:
+            return None
+        where = shown(os.path.dirname(self.run.dir))  # <run dir>/wandb/<mode>-run-<time>-<id>
+        if self.mode == "offline":
+            return f"W&B offline run in {where}; upload it later with: wandb sync {where}"
+        return f"W&B {self.mode} run {self.run.id} ({where})"
 
 
 class Recorder:
     """The trainer's records and console lines, written by the logging rank (the lowest active one) only.
 
-    Every rank holds one; when the logging rank leaves the run, the next lowest opens ``metrics.jsonl`` (in
-    append mode) and the same W&B run (its id is a function of the run dir) at the next membership change."""
+    Every rank holds one; when the logging rank leaves the run, the next lowest opens ``metrics.jsonl`` and
+    ``train.log`` (in append mode) and the same W&B run (its id is a function of the run dir) at the next
+    membership change. Every rank also keeps the run's step statistics, so whichever rank ends up logging can
+    summarize the whole run."""
 
     def __init__(self, run_dir: str, cfg: dict[str, Any], sync_name: str, membership: Any, logger: ExperimentLogger):
         self.run_dir, self.cfg, self.sync_name = run_dir, cfg, sync_name
         self.membership, self.logger = membership, logger
         self.writer: MetricsWriter | None = None
+        self._log: Any = None  # <run dir>/train.log, the console's copy
         self.events: list[dict[str, Any]] = []  # every event record, for the W&B tables at the end
+        self.steps = StepStats()
         self.elect()
 
     def elect(self) -> None:
-        """Open metrics.jsonl and the logger if this rank is (now) the logging rank."""
-        if self.writer is None and self.membership.is_logging_rank:
-            self.writer = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"))
-            self.logger.start(self.run_dir, self.cfg, self.sync_name)
+        """Open metrics.jsonl, train.log and the logger if this rank is (now) the logging rank; save the resolved
+        config beside them (under any launcher)."""
+        if self.writer is not None or not self.membership.is_logging_rank:
+            return
+        self.writer = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"))
+        self._log = open(os.path.join(self.run_dir, "train.log"), "a", buffering=1)
+        save_config(self.cfg, os.path.join(self.run_dir, CONFIG_FILE))
+        self.logger.start(self.run_dir, self.cfg, self.sync_name)
+        where = self.logger.describe()
+        if where:
+            self.console(f"relaxsync: {where}")
 
     def write(self, record: dict[str, Any], step: int) -> None:
         """One record to metrics.jsonl and the logger (a no-op off the logging rank)."""
+        if record["kind"] == "train":
+            self.steps.add(record)
         if self.writer is None:
             return
         self.writer.write(record)
@@ -189,7 +219,8 @@ class Recorder:
             self.logger.log(record, step=step)
 
     def event(self, event: dict[str, Any], epoch: int, step: int) -> None:
-        """An event record; its ``message``, if any, also goes to the console."""
+        """An event record (``epoch`` 1-based, as everywhere a user reads); its ``message``, if any, also goes to
+        the console."""
         record = {"kind": "event", "epoch": epoch, "step": step, **event}
         self.events.append(record)
         self.write(record, step)
@@ -197,12 +228,14 @@ class Recorder:
             self.console(event["message"])
 
     def console(self, message: str) -> None:
-        """A line on the logging rank's console, above the progress bar if one is showing."""
+        """A line on the logging rank's console (above the progress bar if one is showing) and in train.log."""
         if self.membership.is_logging_rank:
             from tqdm import tqdm
 
             tqdm.write(message, file=sys.stdout)
             sys.stdout.flush()
+            if self._log is not None:
+                self._log.write(message + "\n")
 
     def finish(self, summary: dict[str, Any], step: int) -> None:
         """The summary record, one W&B table per event type (``events/evict``, a row per occurrence), and the
@@ -217,12 +250,101 @@ class Recorder:
         self.logger.finish(summary)
 
     def close(self, left: bool = False) -> None:
-        """Close metrics.jsonl; a rank that ``left`` the run also ends its logger's run (keeping what it logged)."""
+        """Close the files; a rank that ``left`` the run also ends its logger's run (keeping what it logged)."""
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
         if left:
             self.logger.finish(None)
+
+
+class StepStats:
+    """What the train records of this invocation add up to."""
+
+    def __init__(self):
+        self.count, self.bytes_sent, self.comm_s = 0, 0.0, 0.0
+        self.samples_per_s: list[float] = []
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.count += 1
+        self.bytes_sent += record["bytes_sent"]
+        self.comm_s += record["comm_s"]
+        self.samples_per_s.append(record["samples_per_s"])
+
+    def summary(self) -> dict[str, float | None]:
+        """Median samples/s of a step, and bytes sent and seconds communicating per step (means per rank)."""
+        if not self.count:
+            return {"samples_per_s": None, "bytes_per_step": None, "comm_s_per_step": None}
+        return {
+            "samples_per_s": statistics.median(self.samples_per_s),
+            "bytes_per_step": self.bytes_sent / self.count,
+            "comm_s_per_step": self.comm_s / self.count,
+        }
+
+
+def save_config(cfg: dict[str, Any], path: str) -> None:
+    """The resolved config as YAML (what this run trained with, whatever launched it)."""
+    import yaml
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f, sort_keys=False)
+
+
+def format_summary(summary: dict[str, Any], trainer: dict[str, Any], run_dir: str) -> str:
+    """The console block that ends a run (``trainer`` is the trainer section of the config)."""
+    s, of = summary, f"of {trainer['epochs']}"
+    if not s["finished"]:
+        head = (
+            f"stopped after epoch {s['epoch']} {of} (trainer.max_epochs_per_run={trainer['max_epochs_per_run']}) "
+            f"at step {s['steps']}"
+        )
+    elif trainer["max_steps"] is not None and s["steps"] >= trainer["max_steps"]:
+        head = f"finished at step {s['steps']} (trainer.max_steps) in epoch {s['epoch']} {of}"
+    else:
+        head = f"finished epoch {s['epoch']} {of} at step {s['steps']}"
+    lines = [f"relaxsync: {head}; {s['steps_this_run']} steps in {_duration(s['train_s'])} this run"]
+    if s["top1"] is not None:
+        best = f", best {s['best_top1']:.2f}% (epoch {s['best_epoch']})" if s["best_top1"] is not None else ""
+        lines.append(f"  top-1     {s['top1']:.2f}% final{best}; top-5 {s['top5']:.2f}%")
+    if s["samples_per_s"] is not None:
+        lines.append(
+            f"  speed     {s['samples_per_s']:.0f} samples/s (median step); "
+            f"{s['comm_s_per_step']:.3f} s/step communicating"
+        )
+        lines.append(
+            f"  traffic   {_bytes(s['bytes_per_step'])} sent per rank and step, {_bytes(s['bytes_sent'])} in all"
+        )
+    evicted = ", ".join(str(r) for r in s["evicted_ranks"]) or "none"
+    lines.append(f"  ranks     {s['world_size']} of {s['initial_world_size']} at the end; evicted: {evicted}")
+    lines.append(f"  run dir   {shown(run_dir)}")
+    if not s["finished"]:
+        lines.append(f"  continue  the same command with: trainer.resume=auto trainer.run_dir={shown(run_dir)}")
+    return "\n".join(lines)
+
+
+def shown(path: str) -> str:
+    """``path`` relative to the working directory when it is below it, else absolute."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _cell(value: Any) -> Any:

@@ -28,19 +28,19 @@ class NoStraggler:
 
 
 class SleepStraggler(NoStraggler):
-    """``straggler=sleep``: ranks in ``ranks`` (default: the last) sleep from ``start_epoch`` on, either
+    """``straggler=sleep``: ranks in ``ranks`` (default: the last) sleep from epoch ``start_epoch`` on (from 1), either
     ``(slowdown - 1)`` times their normal compute time or a fixed ``sleep_s``, so a slowed step takes
     ``slowdown`` times as long as a normal one.
 
     "Normal" is the mean compute time of the steps before the slowdown started (of the first slowed steps,
-    without the sleep, when it starts at epoch 0), frozen then. When processes share CPU cores, a slowed rank
+    without the sleep, when it starts at epoch 1), frozen then. When processes share CPU cores, a slowed rank
     computes faster than normal while the others wait for it; the sleep makes up for that (it is
     ``slowdown x normal`` minus the compute time of the previous slowed step), so the slowed rank's own step
     time is ``slowdown x normal`` either way.
     """
 
     def __init__(
-        self, ranks: list[int] | None = None, start_epoch: int = 10, slowdown: float = 3.0, sleep_s: float | None = None
+        self, ranks: list[int] | None = None, start_epoch: int = 10, slowdown: float = 5.0, sleep_s: float | None = None
     ):
         self.ranks, self.start_epoch, self.slowdown, self.sleep_s = ranks, start_epoch, slowdown, sleep_s
         self._normal: list[float] = []  # compute times of normal steps
@@ -58,7 +58,7 @@ class SleepStraggler(NoStraggler):
             f"null or a non-empty list of ranks in [0, {world_size - 1}]",
         )
         e, f, s = section["start_epoch"], section["slowdown"], section["sleep_s"]
-        require(is_int(e) and e >= 0, "straggler.start_epoch", e, "an epoch >= 0")
+        require(is_int(e) and e >= 1, "straggler.start_epoch", e, "an epoch >= 1 (epochs count from 1)")
         require(is_number(f) and f >= 1, "straggler.slowdown", f, "a factor >= 1")
         require(s is None or (is_number(s) and s >= 0), "straggler.sleep_s", s, "null or seconds >= 0")
 

@@ -1,10 +1,11 @@
 """A training script written against the CAC relaxed-sync API, steps 1-8 of its usage guide, on CPU.
 
-    torchrun --standalone --nproc-per-node 3 examples/relaxed_sync_cac.py \
-        --epochs 4 --simulate-slow-process 1 --sleep-process-start-epoch 1
+    .venv/bin/torchrun --standalone --nproc-per-node 3 examples/relaxed_sync_cac.py \
+        --epochs 4 --simulate-slow-process 1 --sleep-process-start-epoch 2
 
-The last rank is slowed from epoch 1; at the start of epoch 2 it is evicted (it exits with status 0) and the
-other two finish the run. Data: scikit-learn's digits; model: timm's test_resnet.
+Epochs count from 1, as everywhere in relaxsync. The last rank is slowed from epoch 2; at the start of epoch 3 it
+is evicted (it exits with status 0) and the other two finish the run. Data: scikit-learn's digits; model: timm's
+test_resnet.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def main() -> None:
     parser.add_argument("--relaxed-sync-threshold", type=float, default=2.0)
     parser.add_argument("--relaxed-sync-mode-threshold", type=float, default=0.8)
     parser.add_argument("--simulate-slow-process", type=int, default=0)
-    parser.add_argument("--sleep-process-start-epoch", type=int, default=10)
+    parser.add_argument("--sleep-process-start-epoch", type=int, default=10, help="the first slowed epoch (from 1)")
     parser.add_argument("--sleep-time", type=float, default=0.0, help="seconds; 0 = 30 x the mean forward time")
     args = parser.parse_args()
 
@@ -75,7 +76,7 @@ def main() -> None:
         num_workers=0, pin_memory=False, sampler=None, collate_fn=None)  # fmt: skip
 
     min_num_processes = world_size / 2
-    for epoch in range(args.epochs):
+    for epoch in range(1, args.epochs + 1):
         # 5) At each epoch start: find slow processes and drop them from the group.
         model.set_relaxed_pg(epoch, min_num_processes=min_num_processes)
         # 6) Rearrange the loaders when the number of processes changed.

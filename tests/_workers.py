@@ -26,6 +26,28 @@ def _all_params(trainer) -> list:
     return everyone
 
 
+def _fit_here(cfg: dict, run_dir: str) -> None:
+    """A whole run in this worker process, leaving its process group up for the next one."""
+    from engine.loop import Trainer
+
+    trainer = Trainer(cfg, run_dir)
+    trainer.fit()
+    trainer.recorder.close()
+
+
+@record
+def each_config(cfg: dict, run_dir: str) -> None:
+    """Every config of ``<run_dir>/configs.json`` (``{name: resolved config}``, one world size), one after
+    another in these worker processes, each in ``<run_dir>/<name>``: one launch for a side-by-side comparison."""
+    import json
+
+    with open(os.path.join(run_dir, "configs.json")) as f:
+        configs = json.load(f)
+    for name, config in configs.items():
+        _fit_here(config, os.path.join(run_dir, name))
+    dist.destroy_process_group()
+
+
 @record
 def uninterrupted_and_resumed(cfg: dict, run_dir: str) -> None:
     """For every case in ``<run_dir>/cases.json`` (``{name: resolved config}``, one world size): an uninterrupted
@@ -36,7 +58,6 @@ def uninterrupted_and_resumed(cfg: dict, run_dir: str) -> None:
     import shutil
 
     from engine import checkpoint
-    from engine.loop import Trainer
 
     save_atomic = checkpoint.save_atomic
 
@@ -52,9 +73,7 @@ def uninterrupted_and_resumed(cfg: dict, run_dir: str) -> None:
     for name, case in spec["cases"].items():
         full, resumed = os.path.join(run_dir, name, "full"), os.path.join(run_dir, name, "resumed")
         checkpoint.save_atomic = save_and_keep
-        trainer = Trainer(case, full)
-        trainer.fit()
-        trainer.recorder.close()
+        _fit_here(case, full)
         checkpoint.save_atomic = save_atomic
         # Each rank copies what it wrote: its own sync state, and the logging rank the checkpoint too.
         kept = os.path.join(full, "checkpoints", f"step{spec['resume_step']}")
@@ -63,9 +82,7 @@ def uninterrupted_and_resumed(cfg: dict, run_dir: str) -> None:
             if file == f"sync_rank{rank}.pt" or (file == checkpoint.LAST and rank == 0):
                 shutil.copy(os.path.join(kept, file), os.path.join(resumed, "checkpoints", file))
         dist.barrier()
-        trainer = Trainer({**case, "trainer": {**case["trainer"], "resume": "auto"}}, resumed)
-        trainer.fit()
-        trainer.recorder.close()
+        _fit_here({**case, "trainer": {**case["trainer"], "resume": "auto"}}, resumed)
     dist.destroy_process_group()
 
 

@@ -43,6 +43,25 @@ def train(run_dir: Path, *overrides: str, entrypoint=None) -> tuple[dict | None,
     return summary, (read_metrics(str(path)) if path.exists() else [])
 
 
+def train_each(root: Path, runs: dict[str, list[str]]) -> dict[str, list[dict]]:
+    """Several runs of one world size side by side in a single launch (``_workers.each_config``), each in
+    ``root/<name>``; returns each one's metrics records."""
+    import json
+
+    from _workers import each_config
+
+    from engine.launch import launch
+    from engine.metrics import read_metrics
+
+    configs = {name: plain_cfg(*overrides) for name, overrides in runs.items()}
+    sizes = {c["trainer"]["nproc"] for c in configs.values()}
+    assert len(sizes) == 1, f"one launch is one world size, not {sorted(sizes)}"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "configs.json").write_text(json.dumps(configs))
+    launch(next(iter(configs.values())), str(root), entrypoint=each_config)
+    return {name: read_metrics(str(root / name / "metrics.jsonl")) for name in runs}
+
+
 def load_model_state(run_dir: Path) -> dict[str, torch.Tensor]:
     from engine.checkpoint import load
 

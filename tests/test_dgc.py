@@ -7,7 +7,7 @@ import json
 import pytest
 import timm
 import torch
-from conftest import load_model_state, records, train
+from conftest import load_model_state, records, train, train_each
 
 from algorithms.base import SyncContext
 from algorithms.dgc import DGC, above, keep_count, pack, select, sparsity_at, unpack
@@ -89,8 +89,8 @@ def test_sparsity_zero_equals_allreduce_momentum_sgd(tmp_path):
     """Everything sent, no momentum masking (which would clear the momentum of every sent entry): DGC is
     exactly momentum SGD with weight decay on averaged gradients."""
     common = [*FAST, "optimizer=momentum", "trainer.max_steps=6", "data.batch_size=16", "trainer.checkpoint_every=0"]
-    train(tmp_path / "dgc", *common, "sync=dgc", "sync.sparsity=[0.0]", "sync.momentum_masking=false")
-    train(tmp_path / "ar", *common, "sync=allreduce")
+    dgc = [*common, "sync=dgc", "sync.sparsity=[0.0]", "sync.momentum_masking=false"]
+    train_each(tmp_path, {"dgc": dgc, "ar": [*common, "sync=allreduce"]})
     a, b = load_model_state(tmp_path / "dgc"), load_model_state(tmp_path / "ar")
     for name, p in b.items():
         if p.is_floating_point() and "running" not in name:

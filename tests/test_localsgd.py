@@ -7,7 +7,7 @@ import json
 import math
 
 import torch
-from conftest import load_model_state, records, train
+from conftest import load_model_state, records, train, train_each
 
 from algorithms.localsgd import adaptive_period
 
@@ -16,8 +16,8 @@ FAST = ["model=test_resnet", "data=digits", "logger=none", "trainer.progress=fal
 
 def test_k1_plain_sgd_equals_allreduce(tmp_path):
     common = [*FAST, "optimizer=sgd", "trainer.max_steps=6", "data.batch_size=16", "trainer.checkpoint_every=0"]
-    train(tmp_path / "local", *common, "sync=localsgd", "sync.begin_step=2", "sync.k_steps=1")
-    train(tmp_path / "ar", *common, "sync=allreduce")
+    local = [*common, "sync=localsgd", "sync.begin_step=2", "sync.k_steps=1"]
+    train_each(tmp_path, {"local": local, "ar": [*common, "sync=allreduce"]})
     a, b = load_model_state(tmp_path / "local"), load_model_state(tmp_path / "ar")
     for name, p in b.items():
         if "running" not in name and p.is_floating_point():
@@ -82,7 +82,7 @@ def test_resume_keeps_step_counter_and_period(tmp_path):
     saved = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["sync"]  # shared by every rank
     assert saved["next_sync"] > 11 and saved["lr_0"] > 0
     _, metrics = train(tmp_path, *common, "trainer.resume=auto")
-    resumed = [r for r in records(metrics, "train") if r["epoch"] == 1]
+    resumed = [r for r in records(metrics, "train") if r["epoch"] == 2]
     assert resumed[0]["step"] == 11  # the step counter carried over
     assert resumed[0]["k_steps"] == saved["k_steps"]  # so did the period
     first_sync = next(r["step"] for r in resumed if r.get("synced"))
