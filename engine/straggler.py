@@ -40,7 +40,7 @@ class SleepStraggler(NoStraggler):
     """
 
     def __init__(
-        self, ranks: list[int] | None = None, start_epoch: int = 10, slowdown: float = 5.0, sleep_s: float | None = None
+        self, ranks: list[int] | None = None, start_epoch: int = 2, slowdown: float = 5.0, sleep_s: float | None = None
     ):
         self.ranks, self.start_epoch, self.slowdown, self.sleep_s = ranks, start_epoch, slowdown, sleep_s
         self._normal: list[float] = []  # compute times of normal steps
