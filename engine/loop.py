@@ -170,6 +170,11 @@ class Trainer:
         """Whether the run has reached its end (``trainer.epochs`` or ``trainer.max_steps``)."""
         return self.epoch >= self.cfg["trainer"]["epochs"] or self.step >= self.max_steps
 
+    @property
+    def last_epoch(self) -> int:
+        """The last epoch trained in, from 1 (the one in progress when a run stopped within it)."""
+        return self.epoch + (1 if self.step_in_epoch else 0)
+
     def fit(self) -> dict[str, Any] | None:
         """Train until the end of the run or ``max_epochs_per_run``; return the summary (logging rank)."""
         t = self.cfg["trainer"]
@@ -200,7 +205,7 @@ class Trainer:
         top1 = f"; final top-1 {last['top1']:.2f}%" if last else ""
         self.recorder.console(
             f"relaxsync: already finished: {self.checkpointer.resume_path} is at step {self.step}, "
-            f"epoch {self.epoch} of {t['epochs']}{top1}; nothing to train"
+            f"epoch {self.last_epoch} of {t['epochs']}{top1}; nothing to train"
         )
         self.recorder.logger.finish(None)
         self.comm.barrier()
@@ -373,7 +378,7 @@ class Trainer:
                 "finished": self.done(),
                 "steps": self.step,
                 "epochs": self.epoch,  # completed
-                "epoch": self.epoch + (1 if self.step_in_epoch else 0),  # the last one trained in, from 1
+                "epoch": self.last_epoch,
                 "world_size": m.size,
                 "initial_world_size": m.initial_size,
                 "ranks": m.ranks,
