@@ -12,10 +12,10 @@ algorithm it runs. Per optimizer step::
     report += sync.after_optimizer_step(StepResult(...))   # model exchange (local SGD, gossip)
     trainer.apply(report)                                  # then the step's record, with report.metrics
 
-plus ``trainer.apply(sync.on_epoch_start(epoch))`` before each epoch's loader is iterated, ``before_eval()``
-before each evaluation and checkpoint, ``on_membership_change()`` after the active ranks changed, and
-``finalize()`` once at the end. The forward pass runs through ``sync.module``, read at every step, so an
-algorithm may rewrap the model.
+plus ``trainer.apply(sync.on_epoch_start(epoch))`` before each epoch's loader is iterated, ``drain()`` then
+``before_eval()`` before each evaluation and checkpoint, ``on_membership_change()`` after the active ranks
+changed, and ``drain()`` then ``finalize()`` once at the end. The forward pass runs through ``sync.module``,
+read at every step, so an algorithm may rewrap the model.
 
 **One way.** A hook receives what it needs as arguments (``after_optimizer_step`` gets the finished step: its
 loss, learning rate, timings) and returns a :class:`SyncReport` with what it measured (``metrics``), what
@@ -33,6 +33,13 @@ reshards training too when a hook asks for it (:class:`RebuildTrainLoader`). Alg
 on ``ctx.comm`` (the :class:`algorithms.comm.Communicator` over the active group), never on the world group,
 so bytes and seconds are counted the same way for all of them; the trainer reads and resets those counts
 after every step.
+
+**Exchanges in flight.** An algorithm may leave an exchange running across steps (``ctx.comm``'s ``*_async``
+collectives return a ``Pending`` whose bytes are counted when issued). ``drain()`` completes and applies every
+exchange in flight; the trainer calls it before each evaluation, checkpoint and the end, and a wrapper before
+it asks for a membership change, so all of those see a settled state and a resumed run continues from it.
+When an exchange is applied must not depend on timing (only on the step), so that every rank, and a resumed
+run, applies it at the same point.
 
 **State.** ``state_dict()`` is what every rank holds identically (counters, periods): saved once, by the
 logging rank, in the main checkpoint. ``local_state_dict()`` is this rank's own state (DGC residuals, local
@@ -166,6 +173,9 @@ class SyncAlgorithm:
     def after_optimizer_step(self, result: StepResult) -> SyncReport:
         return SyncReport()
 
+    def drain(self) -> None:
+        """Complete and apply every exchange still in flight (none by default)."""
+
     def before_eval(self) -> None:
         """Bring what evaluation and checkpoints read into agreement; default: average BN buffers."""
         self.ctx.comm.average_buffers(self.model)
@@ -235,6 +245,9 @@ class Wrapper(SyncAlgorithm):
 
     def after_optimizer_step(self, result: StepResult) -> SyncReport:
         return self.inner.after_optimizer_step(result)
+
+    def drain(self) -> None:
+        self.inner.drain()
 
     def before_eval(self) -> None:
         self.inner.before_eval()

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,24 @@ class CommCounts:
         self.bytes_sent += bytes_sent
         self.payload_bytes += payload_bytes
         self.comm_s += seconds
+
+
+class Pending:
+    """A collective in flight. Its bytes were counted when it was issued; :meth:`wait` blocks until it is done,
+    counts the time blocked as communication, and returns its result (the tensor(s) it filled)."""
+
+    def __init__(self, comm: Communicator, works: list[Any], result: Any = None):
+        self.comm, self.works, self.result = comm, works, result
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def wait(self) -> Any:
+        start = time.perf_counter()
+        for work in self.works:
+            work.wait()
+        self.comm.record(0.0, 0.0, time.perf_counter() - start)
+        return self.result
 
 
 class Communicator:
@@ -109,15 +128,23 @@ class Communicator:
         box[0] = time.perf_counter() - t0
 
     # ---- collectives ------------------------------------------------------------------------------------
+    # Each one exists in two forms: ``x_async`` issues it and returns a :class:`Pending` (its bytes are counted
+    # when issued; the time a rank then blocks in ``wait()`` is counted in the step that waits), and ``x``
+    # issues it and waits at once.
+    def all_reduce_async(
+        self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None
+    ) -> Pending:
+        """In-place allreduce over the active group (or over ``group``, a subgroup of it)."""
+        start = time.perf_counter()
+        work = dist.all_reduce(tensor, op=op, group=group or self.group, async_op=True)
+        size = dist.get_world_size(group) if group is not None else None
+        self.record_allreduce(tensor_bytes(tensor), time.perf_counter() - start, size)
+        return Pending(self, [work], tensor)
+
     def all_reduce(
         self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None
     ) -> torch.Tensor:
-        """In-place allreduce over the active group (or over ``group``, a subgroup of it)."""
-        with self._timed() as t:
-            dist.all_reduce(tensor, op=op, group=group or self.group)
-        size = dist.get_world_size(group) if group is not None else None
-        self.record_allreduce(tensor_bytes(tensor), t[0], size)
-        return tensor
+        return self.all_reduce_async(tensor, op, group).wait()
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         self.all_reduce(tensor)
@@ -137,14 +164,17 @@ class Communicator:
             t.copy_(flat[offset : offset + n].view_as(t))
             offset += n
 
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Gather equal-shaped tensors from every active rank, in rank order."""
+    def all_gather_async(self, tensor: torch.Tensor) -> Pending:
+        """Gather equal-shaped tensors from every active rank, in rank order (the Pending's result)."""
         out = [torch.empty_like(tensor) for _ in range(self.size)]
-        with self._timed() as t:
-            dist.all_gather(out, tensor, group=self.group)
+        start = time.perf_counter()
+        work = dist.all_gather(out, tensor, group=self.group, async_op=True)
         nbytes = tensor_bytes(tensor)
-        self.record((self.size - 1) * nbytes, nbytes, t[0])
-        return out
+        self.record((self.size - 1) * nbytes, nbytes, time.perf_counter() - start)
+        return Pending(self, [work], out)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return self.all_gather_async(tensor).wait()
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """Broadcast from global rank ``src`` to the active group (or ``group``, a subgroup), in place."""
@@ -155,23 +185,31 @@ class Communicator:
         self.record(nbytes / size, nbytes / size, t[0])
         return tensor
 
-    def exchange(
+    def exchange_async(
         self,
         sends: list[tuple[torch.Tensor, int]],
         recvs: list[tuple[torch.Tensor, int]],
         mean_fraction: float = 1.0,
-    ) -> None:
+    ) -> Pending:
         """Point-to-point: send each ``(tensor, global rank)`` and fill each ``(tensor, global rank)``, all at
         once. Receives are posted first: with gloo, an isend posted before the irecv from the same peer
         serialises the two directions. Counted as this rank's own sends times ``mean_fraction``, the share of
         active ranks that send the same (1 when every rank does; 1/g when only group leaders do)."""
         ops = [dist.P2POp(dist.irecv, t, peer, group=self.group) for t, peer in recvs]
         ops += [dist.P2POp(dist.isend, t, peer, group=self.group) for t, peer in sends]
-        with self._timed() as t:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        start = time.perf_counter()
+        works = dist.batch_isend_irecv(ops)
         nbytes = sum(tensor_bytes(x) for x, _ in sends) * mean_fraction
-        self.record(nbytes, nbytes, t[0])
+        self.record(nbytes, nbytes, time.perf_counter() - start)
+        return Pending(self, works, [t for t, _ in recvs])
+
+    def exchange(
+        self,
+        sends: list[tuple[torch.Tensor, int]],
+        recvs: list[tuple[torch.Tensor, int]],
+        mean_fraction: float = 1.0,
+    ) -> None:
+        self.exchange_async(sends, recvs, mean_fraction).wait()
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)

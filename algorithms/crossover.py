@@ -12,11 +12,17 @@ averages inside groups of consecutive ranks, gossips among the group leaders, an
 the number of gossiping workers. ``sync_grad`` gossips gradients (before the optimizer step) instead of
 parameters; ``load_balanced=false`` sends every segment to the same exponential-graph peer (the paper's
 ablation).
+
+``overlap=true`` (flat only) runs each round in the background, as SGP's overlap mode: the segments sent after
+step t are a snapshot, and after step t + ``synch_freq`` each segment becomes ``p + 1/2 (received - snapshot)``:
+the crossover average of the snapshots plus this rank's own progress since. Each rank receives exactly one
+copy of each segment from a permutation, so the mean over ranks is unchanged, as without overlap.
 """
 
 from __future__ import annotations
 
 import re
+from collections import deque
 from typing import Any
 
 import torch
@@ -24,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from algorithms.base import SyncContext, SyncReport
+from algorithms.comm import Pending
 from algorithms.gossip import Gossip
 from algorithms.topology import ExponentialGraph, LoadBalancedRandom
 from errors import ConfigError, is_int, require
@@ -81,10 +88,15 @@ class Crossover(Gossip):
         sync_grad: bool = False,
         consensus_every: int = 10,
         seed: int = 0,
+        overlap: bool = False,
+        synch_freq: int = 1,
     ):
         super().__init__(period, consensus_every)
         self.segments, self.load_balanced, self.group_size = segments, load_balanced, group_size
         self.sync_grad, self.seed = sync_grad, seed
+        self.overlap, self.synch_freq = overlap, synch_freq
+        # rounds in flight: (the step after which it is mixed in, its exchange, the snapshot sent)
+        self._in_flight: deque[tuple[int, Pending, torch.Tensor]] = deque()
 
     @classmethod
     def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
@@ -96,6 +108,11 @@ class Crossover(Gossip):
             g,
             f"a divisor of the world size {world_size} leaving >= 2 groups (1 = flat)",
         )
+        f = section["synch_freq"]
+        require(is_int(f) and f >= 1, "sync.synch_freq", f, "an integer >= 1 (steps a round may run in the background)")
+        if section["overlap"]:
+            require(g == 1, "sync.group_size", g, "1 with sync.overlap=true (hierarchical rounds do not overlap)")
+            require(not section["sync_grad"], "sync.sync_grad", True, "false with sync.overlap=true")
         s = section["segments"]
         model = create_model(cfg["model"]["name"], 10, kwargs=cfg["model"].get("kwargs"))
         numel = sum(p.numel() for p in model.parameters())
@@ -137,10 +154,31 @@ class Crossover(Gossip):
     def gossip(self, step: int) -> dict[str, Any]:
         if self.sync_grad:  # the round ran on the gradients in after_backward
             return {}
+        if self.overlap:
+            return self._gossip_overlapped(step)
         flat = self.flat_parameters()
         events = self._round(flat, step)
         self.set_flat_parameters(flat)
         return {"events": events}
+
+    def _gossip_overlapped(self, step: int) -> dict[str, Any]:
+        while self._in_flight and self._in_flight[0][0] <= step:
+            self._mix(*self._in_flight.popleft()[1:])
+        snapshot = self.flat_parameters()
+        sends, recvs = self._segments(snapshot, step)
+        pending = self.ctx.comm.exchange_async(sends, recvs)
+        self._in_flight.append((step + self.synch_freq, pending, snapshot))
+        return {"events": self._gossip_event(step), "rounds_in_flight": len(self._in_flight)}
+
+    def _mix(self, pending: Pending, snapshot: torch.Tensor) -> None:
+        flat = self.flat_parameters()
+        for (_, lo, hi), buf in zip(self.ranges, pending.wait()):
+            flat[lo:hi].add_(buf.sub_(snapshot[lo:hi]), alpha=0.5)
+        self.set_flat_parameters(flat)
+
+    def drain(self) -> None:
+        while self._in_flight:
+            self._mix(*self._in_flight.popleft()[1:])
 
     def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
         if not self.sync_grad or step % self.period:
@@ -155,28 +193,36 @@ class Crossover(Gossip):
         # Gradients are mixed, not agreed: each rank steps (or skips) on its own verdict.
         return SyncReport(grads_finite=grads_finite and bool(torch.isfinite(flat).all()), events=events)
 
+    def _segments(self, flat: torch.Tensor, step: int) -> tuple[list, list]:
+        """This leader's sends (a copy of each segment, to that segment's out-peer) and receive buffers."""
+        me, round_ = self.leaders.index(self.ctx.membership.rank), step // self.period
+        sends, recvs = [], []
+        for s, (_, lo, hi) in enumerate(self.ranges):
+            buf = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
+            recvs.append((buf, self.leaders[self.topology.in_peers(me, round_, s)[0]]))
+            sends.append((flat[lo:hi].clone(), self.leaders[self.topology.out_peers(me, round_, s)[0]]))
+        return sends, recvs
+
     def _round(self, flat: torch.Tensor, step: int) -> list[dict[str, Any]]:
         """Mix ``flat`` in place: average in the group, crossover among leaders, broadcast in the group."""
         m, comm = self.ctx.membership, self.ctx.comm
-        round_ = step // self.period
         if self.subgroup is not None:
             comm.all_reduce(flat, group=self.subgroup)
             flat.div_(len(self.my_group))
         if m.rank in self.leaders:
-            me = self.leaders.index(m.rank)
-            sends, recvs, received = [], [], []
-            for s, (_, lo, hi) in enumerate(self.ranges):
-                buf = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
-                received.append(buf)
-                recvs.append((buf, self.leaders[self.topology.in_peers(me, round_, s)[0]]))
-                sends.append((flat[lo:hi].clone(), self.leaders[self.topology.out_peers(me, round_, s)[0]]))
+            sends, recvs = self._segments(flat, step)
             comm.exchange(sends, recvs, mean_fraction=len(self.leaders) / m.size)
-            for (_, lo, hi), buf in zip(self.ranges, received):
+            for (_, lo, hi), (buf, _) in zip(self.ranges, recvs):
                 flat[lo:hi].add_(buf).mul_(0.5)
         if self.subgroup is not None:
             comm.broadcast(flat, src=self.my_group[0], group=self.subgroup)
+        return self._gossip_event(step)
+
+    def _gossip_event(self, step: int) -> list[dict[str, Any]]:
+        """Every ``consensus_every`` steps: who sent which segment to whom in this round."""
         if step % self.consensus_every:
             return []
+        round_ = step // self.period
         mapping = {
             name: {
                 str(self.leaders[i]): self.leaders[self.topology.out_peers(i, round_, s)[0]]

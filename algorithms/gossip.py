@@ -1,5 +1,6 @@
-"""What the gossip algorithms (SGP, Crossover-SGD) share: a flat view of the parameters, consensus distance,
-evaluation of the averaged model, and checkpointing of each rank's own optimizer state.
+"""What algorithms whose replicas differ share (:class:`Replicas`: a flat view of the parameters, evaluation of
+the averaged model, each rank's own optimizer state), and what the gossip algorithms (SGP, Crossover-SGD) add
+(:class:`Gossip`: a round every ``period`` steps, consensus distance).
 
 Gossip replicas are never exactly equal during training. ``consensus_distance`` (the mean L2 distance of the
 replicas' parameters to their average) is measured every ``consensus_every`` steps with one extra allreduce
@@ -18,17 +19,11 @@ from algorithms.base import StepResult, SyncAlgorithm, SyncReport
 from errors import is_int, require
 
 
-class Gossip(SyncAlgorithm):
+class Replicas(SyncAlgorithm):
+    """Replicas that differ between agreements: evaluation reports the averaged model and the replicas' own
+    accuracy; each rank checkpoints its own optimizer state."""
+
     evaluates_replicas = True
-
-    def __init__(self, period: int = 1, consensus_every: int = 10):
-        self.period, self.consensus_every = period, consensus_every
-
-    @classmethod
-    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
-        require(world_size >= 2, "trainer.nproc", world_size, f"at least 2 processes for sync={cls.name} (gossip)")
-        for key in ("period", "consensus_every"):
-            require(is_int(section[key]) and section[key] >= 1, f"sync.{key}", section[key], "an integer >= 1 (steps)")
 
     def parameters(self) -> list[torch.Tensor]:
         return [p.data for p in self.model.parameters()]
@@ -41,6 +36,29 @@ class Gossip(SyncAlgorithm):
         for p in self.parameters():
             p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+
+    def before_eval(self) -> None:
+        """Average the replicas (and BN statistics) so evaluation and checkpoints see one model."""
+        comm = self.ctx.comm
+        tensors = self.parameters() + [b.data for b in self.model.buffers() if b.is_floating_point()]
+        comm.all_reduce_coalesced(tensors, average=True)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict()}  # this rank's own momentum buffers
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class Gossip(Replicas):
+    def __init__(self, period: int = 1, consensus_every: int = 10):
+        self.period, self.consensus_every = period, consensus_every
+
+    @classmethod
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        require(world_size >= 2, "trainer.nproc", world_size, f"at least 2 processes for sync={cls.name} (gossip)")
+        for key in ("period", "consensus_every"):
+            require(is_int(section[key]) and section[key] >= 1, f"sync.{key}", section[key], "an integer >= 1 (steps)")
 
     def gossip(self, step: int) -> dict[str, Any]:
         """One gossip round on the parameters; returns extra metrics (may hold ``events``)."""
@@ -68,15 +86,3 @@ class Gossip(SyncAlgorithm):
             distance = torch.linalg.vector_norm((flat - average).double()).reshape(1)
             comm.all_reduce(distance)
         return {"consensus_distance": float(distance) / comm.size, "consensus_bytes": comm.side_bytes - before}
-
-    def before_eval(self) -> None:
-        """Average the replicas (and BN statistics) so evaluation and checkpoints see one model."""
-        comm = self.ctx.comm
-        tensors = self.parameters() + [b.data for b in self.model.buffers() if b.is_floating_point()]
-        comm.all_reduce_coalesced(tensors, average=True)
-
-    def local_state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict()}  # this rank's own momentum buffers
-
-    def load_local_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])

@@ -209,6 +209,7 @@ class RelaxedSync(Wrapper):
     # ---- the check -------------------------------------------------------------------------------------------
     def _check(self, when: str) -> SyncReport:
         m, comm = self.ctx.membership, self.ctx.comm
+        self.inner.drain()  # nothing of the exchange may be in flight if the group changes
         own = statistics.fmean(self._times)
         self._times = []
         if self.measure == "link":

@@ -307,8 +307,10 @@ class Trainer:
 
     # ---- evaluation, checkpoints, the end --------------------------------------------------------------------
     def _agree_replicas(self) -> None:
-        """``sync.before_eval()`` once per step: a checkpoint right after an evaluation reuses its agreement."""
+        """``sync.drain()`` and ``sync.before_eval()`` once per step: a checkpoint right after an evaluation reuses
+        its agreement."""
         if self._agreed_at_step != self.step:
+            self.sync.drain()
             self.sync.before_eval()
             self.comm.take()
             self._agreed_at_step = self.step
@@ -368,6 +370,7 @@ class Trainer:
 
     def finish(self, train_s: float) -> dict[str, Any] | None:
         """End of this invocation: the summary record and the console block (logging rank), then a barrier."""
+        self.sync.drain()
         self.sync.finalize()
         spread = self.evaluator.replica_spread(self.raw_model)
         summary = None

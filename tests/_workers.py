@@ -35,17 +35,22 @@ def _fit_here(cfg: dict, run_dir: str) -> None:
     trainer.recorder.close()
 
 
-@record
-def each_config(cfg: dict, run_dir: str) -> None:
-    """Every config of ``<run_dir>/configs.json`` (``{name: resolved config}``, one world size), one after
-    another in these worker processes, each in ``<run_dir>/<name>``: one launch for a side-by-side comparison."""
+def _each(run_dir: str, run) -> None:
+    """``run(config, <run_dir>/<name>)`` for every config of ``<run_dir>/configs.json`` (``{name: resolved
+    config}``, one world size), one after another in these worker processes."""
     import json
 
     with open(os.path.join(run_dir, "configs.json")) as f:
         configs = json.load(f)
     for name, config in configs.items():
-        _fit_here(config, os.path.join(run_dir, name))
+        run(config, os.path.join(run_dir, name))
     dist.destroy_process_group()
+
+
+@record
+def each_config(cfg: dict, run_dir: str) -> None:
+    """Every config of ``configs.json`` trained side by side in one launch (see ``conftest.train_each``)."""
+    _each(run_dir, _fit_here)
 
 
 @record
@@ -180,8 +185,13 @@ def localsgd_watch_replicas(cfg: dict, run_dir: str) -> None:
 
 @record
 def gossip_from_spread_replicas(cfg: dict, run_dir: str) -> None:
-    """Gossip with the LR at 0 from replicas made different on purpose: record, after every step, each rank's
-    distance to the initial average and the sum of the push-sum weights."""
+    """For every config of ``configs.json``: gossip with the LR at 0 from replicas made different on purpose;
+    record, after every step, each rank's distance to the initial average and the sum of the push-sum weights
+    (with SGP's overlap, the weights of the messages still in flight included)."""
+    _each(run_dir, _spread_and_watch)
+
+
+def _spread_and_watch(cfg: dict, run_dir: str) -> None:
     import json
 
     import torch
@@ -190,7 +200,7 @@ def gossip_from_spread_replicas(cfg: dict, run_dir: str) -> None:
 
     trainer = Trainer(cfg, run_dir)
     trainer.schedule.scale = 0.0  # no gradient steps: only gossip moves the parameters
-    group = trainer.membership.group
+    group, sync = trainer.membership.group, trainer.sync
     with torch.no_grad():
         g = torch.Generator().manual_seed(100 + trainer.rank)
         for p in trainer.raw_model.parameters():
@@ -200,18 +210,20 @@ def gossip_from_spread_replicas(cfg: dict, run_dir: str) -> None:
     dist.all_reduce(average, group=group)
     average /= trainer.membership.size
     log = []
-    after = trainer.sync.after_optimizer_step
+    after = sync.after_optimizer_step
 
     def watch(result):
         report = after(result)
         now = torch.cat([p.detach().reshape(-1) for p in trainer.raw_model.parameters()])
-        weights = torch.tensor([getattr(trainer.sync, "weight", 1.0)], dtype=torch.float64)
+        in_flight = sum(float(r.message[-1]) for r in getattr(sync, "_in_flight", []) if hasattr(r, "message"))
+        weights = torch.tensor([getattr(sync, "weight", 1.0) + in_flight], dtype=torch.float64)
         dist.all_reduce(weights, group=group)
         log.append({"step": result.step, "error": float((now - average).abs().max()), "weight_sum": float(weights)})
         return report
 
-    trainer.sync.after_optimizer_step = watch
-    _fit(trainer)
+    sync.after_optimizer_step = watch
+    trainer.fit()
+    trainer.recorder.close()
     with open(f"{run_dir}/gossip_rank{trainer.rank}.json", "w") as f:
         json.dump(log, f)
 

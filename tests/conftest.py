@@ -43,9 +43,9 @@ def train(run_dir: Path, *overrides: str, entrypoint=None) -> tuple[dict | None,
     return summary, (read_metrics(str(path)) if path.exists() else [])
 
 
-def train_each(root: Path, runs: dict[str, list[str]]) -> dict[str, list[dict]]:
-    """Several runs of one world size side by side in a single launch (``_workers.each_config``), each in
-    ``root/<name>``; returns each one's metrics records."""
+def train_each(root: Path, runs: dict[str, list[str]], entrypoint=None) -> dict[str, list[dict]]:
+    """Several runs of one world size side by side in a single launch (``_workers.each_config``, or another
+    entrypoint that reads ``configs.json`` the same way), each in ``root/<name>``; returns their metrics."""
     import json
 
     from _workers import each_config
@@ -58,7 +58,7 @@ def train_each(root: Path, runs: dict[str, list[str]]) -> dict[str, list[dict]]:
     assert len(sizes) == 1, f"one launch is one world size, not {sorted(sizes)}"
     root.mkdir(parents=True, exist_ok=True)
     (root / "configs.json").write_text(json.dumps(configs))
-    launch(next(iter(configs.values())), str(root), entrypoint=each_config)
+    launch(next(iter(configs.values())), str(root), entrypoint=entrypoint or each_config)
     return {name: read_metrics(str(root / name / "metrics.jsonl")) for name in runs}
 
 

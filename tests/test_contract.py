@@ -23,10 +23,6 @@ from engine.metrics import read_metrics
 
 OPTIONS = sorted(p.stem for p in (CONF_DIR / "sync").glob("*.yaml"))
 WRAPPERS = [o for o in OPTIONS if issubclass(get_class(plain_cfg(f"sync={o}")["sync"]["_target_"]), Wrapper)]
-CASES = [[f"sync={o}"] for o in OPTIONS] + [
-    [f"sync={w}", f"sync@sync.inner={o}"] for w in WRAPPERS for o in OPTIONS if o not in WRAPPERS
-]
-IDS = [" ".join(c) for c in CASES]
 # Options that make each algorithm's state matter within 2 x 2 steps (an averaging period that straddles the
 # checkpoint, more tensors compressed); a wrapped algorithm takes them under sync.inner.
 STATEFUL = {
@@ -38,6 +34,19 @@ STATEFUL = {
     # No eviction (a negative threshold), so both runs keep their ranks; every check still agrees a verdict.
     "relaxed": ["relaxed_sync_threshold=-1", "check_every=1"],
 }
+# Modes beyond an option's defaults with state of their own (rounds in flight across steps, ...).
+VARIANTS = {"sgp": [["overlap=true", "synch_freq=2"]], "crossover": [["overlap=true"]]}
+ALONE = [(o, []) for o in OPTIONS] + [(o, v) for o, variants in VARIANTS.items() for v in variants]
+CASES = [(None, o, v) for o, v in ALONE] + [(w, o, v) for w in WRAPPERS for o, v in ALONE if o not in WRAPPERS]
+
+
+def _id(case: tuple) -> str:
+    wrapper, option, variant = case
+    keys = "".join(f" sync{'.inner' if wrapper else ''}.{kv}" for kv in variant)
+    return (f"sync={wrapper} sync@sync.inner={option}" if wrapper else f"sync={option}") + keys
+
+
+IDS = [_id(c) for c in CASES]
 # 2 processes x 2 steps per epoch x 2 epochs; the resumed run starts from the checkpoint after epoch 0.
 COMMON = [
     "model=test_resnet", "data=synthetic", "data.num_samples=64", "data.num_val_samples=32", "data.batch_size=16",
@@ -46,12 +55,13 @@ COMMON = [
 RESUME_STEP, LAST_STEP = 2, 4
 
 
-def _overrides(case: list[str]) -> list[str]:
-    options = [c.split("=", 1)[1] for c in case]
-    out = [f"sync.{kv}" for kv in STATEFUL.get(options[0], [])]
-    if len(options) == 2:
-        out += [f"sync.inner.{kv}" for kv in STATEFUL.get(options[1], [])]
-    return [*COMMON, *case, *out]
+def _overrides(case: tuple) -> list[str]:
+    wrapper, option, variant = case
+    if wrapper is None:
+        return [*COMMON, f"sync={option}", *(f"sync.{kv}" for kv in STATEFUL.get(option, []) + variant)]
+    own = [f"sync.{kv}" for kv in STATEFUL.get(wrapper, [])]
+    inner = [f"sync.inner.{kv}" for kv in STATEFUL.get(option, []) + variant]
+    return [*COMMON, f"sync={wrapper}", f"sync@sync.inner={option}", *own, *inner]
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +119,14 @@ def test_resume_ends_where_an_uninterrupted_run_ends(runs, case):
     sync = plain_cfg(*_overrides(case))["sync"]
     exchange = get_class(sync.get("inner", sync)["_target_"])
     assert ("replica_top1" in final_eval) == exchange.evaluates_replicas
+
+
+def test_none_sends_nothing_while_training(runs):
+    """sync=none, the compute-only floor: not a byte while training; its replicas are evaluated as such."""
+    metrics = read_metrics(str(runs / f"case{CASES.index((None, 'none', []))}" / "full" / "metrics.jsonl"))
+    steps = records(metrics, "train")
+    assert steps and all(r["bytes_sent"] == 0 and r["payload_bytes"] == 0 for r in steps)
+    assert "replica_top1" in records(metrics, "eval")[-1]
 
 
 # ---- a wrapper forwards everything -----------------------------------------------------------------------------
@@ -183,6 +201,7 @@ def test_a_wrapper_forwards_calls_state_and_flags_to_the_inner_algorithm():
     assert wrapper.after_backward(3, True).grads_finite is False
     assert wrapper.after_optimizer_step(result).metrics == {"inner": 1.0}
     wrapper.on_membership_change()
+    wrapper.drain()
     wrapper.before_eval()
     assert wrapper.state_dict() == {"inner": {"shared": 1}}
     assert torch.equal(wrapper.local_state_dict()["own"], torch.ones(1))
@@ -192,7 +211,7 @@ def test_a_wrapper_forwards_calls_state_and_flags_to_the_inner_algorithm():
     called = [name for name, _ in inner.calls]
     assert called == [
         "setup", "on_epoch_start", "before_step", "after_backward", "after_optimizer_step", "on_membership_change",
-        "before_eval", "state_dict", "local_state_dict", "load_state_dict", "load_local_state_dict", "finalize",
+        "drain", "before_eval", "state_dict", "local_state_dict", "load_state_dict", "load_local_state_dict", "finalize",
     ]  # fmt: skip
     assert dict(inner.calls)["after_optimizer_step"] == (result,)
     assert dict(inner.calls)["load_state_dict"] == ({"shared": 2},)

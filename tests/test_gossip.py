@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import records, train
+from conftest import records, train, train_each
 
 from algorithms.topology import ExponentialGraph, LoadBalancedRandom, Ring
 
@@ -45,18 +45,27 @@ def test_segments_of_a_resnet():
         assert all(a[2] == b[1] for a, b in zip(ranges, ranges[1:]))  # contiguous, covering everything once
 
 
-def test_sgp_gossip_converges_to_the_exact_initial_average(tmp_path):
+def test_gossip_converges_to_the_exact_initial_average_with_and_without_overlap(tmp_path):
+    """At LR 0 only gossip moves the parameters: push-sum weights (those in flight included) sum to N at every
+    step, and every replica reaches the initial average, also when rounds run in the background."""
     from _workers import gossip_from_spread_replicas
 
-    train(
-        tmp_path, *FAST, "data=synthetic", "sync=sgp", "trainer.nproc=4", "trainer.max_steps=12",
-        "schedule.warmup_epochs=0", "optimizer.weight_decay=0", entrypoint=gossip_from_spread_replicas,
-    )  # fmt: skip
-    logs = [json.loads((tmp_path / f"gossip_rank{r}.json").read_text()) for r in range(4)]
-    for log in logs:
-        assert all(e["weight_sum"] == pytest.approx(4.0, abs=1e-9) for e in log)  # push-sum weights sum to N
-        assert log[0]["error"] > 1e-2  # after one step the replicas are still apart...
-        assert log[-1]["error"] < 1e-5  # ...and gossip alone brings each to the initial average
+    common = [
+        *FAST, "data=synthetic", "trainer.nproc=4", "trainer.max_steps=14", "schedule.warmup_epochs=0",
+        "optimizer.weight_decay=0",
+    ]  # fmt: skip
+    runs = {
+        "sgp": [*common, "sync=sgp"],
+        "sgp_overlap": [*common, "sync=sgp", "sync.overlap=true", "sync.synch_freq=2"],
+        "crossover_overlap": [*common, "sync=crossover", "sync.overlap=true", "sync.segments=fine"],
+    }
+    train_each(tmp_path, runs, entrypoint=gossip_from_spread_replicas)
+    for name in runs:
+        logs = [json.loads((tmp_path / name / f"gossip_rank{r}.json").read_text()) for r in range(4)]
+        for log in logs:
+            assert all(e["weight_sum"] == pytest.approx(4.0, abs=1e-9) for e in log), name  # mass is kept
+            assert log[0]["error"] > 1e-2, name  # after one step the replicas are still apart...
+            assert log[-1]["error"] < 1e-5, name  # ...and gossip alone brings each to the initial average
 
 
 @pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.full), pytest.param(3, marks=pytest.mark.full), 4])
