@@ -51,6 +51,7 @@ class AllReduce(SyncAlgorithm):
     """Gradient averaging by DDP every step."""
 
     name = "allreduce"
+    comm_hook = staticmethod(counted_allreduce_hook)  # what DDP calls for each bucket
 
     def __init__(self, bucket_cap_mb: float = 25.0):
         self.bucket_cap_mb = bucket_cap_mb
@@ -62,8 +63,11 @@ class AllReduce(SyncAlgorithm):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: SyncContext) -> None:
         super().setup(model, optimizer, ctx)
-        self.hook_state = _HookState(ctx.comm)  # kept across rewraps: it only reads the communicator
+        self.hook_state = self._hook_state()  # kept across rewraps: the comm hook's state reads the group anew
         self.module = self._wrap(model)
+
+    def _hook_state(self) -> _HookState:
+        return _HookState(self.ctx.comm)
 
     def on_membership_change(self) -> None:
         # DDP is bound to one process group: wrap the same module again over the new group (the survivors'
@@ -86,7 +90,7 @@ class AllReduce(SyncAlgorithm):
             forward_sync_buffers=False,
             gradient_as_bucket_view=True,
         )
-        self.ddp.register_comm_hook(self.hook_state, counted_allreduce_hook)
+        self.ddp.register_comm_hook(self.hook_state, self.comm_hook)
         return self.ddp
 
     def after_backward(self, step: int, grads_finite: bool) -> SyncReport:

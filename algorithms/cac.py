@@ -84,7 +84,6 @@ class RelaxedSyncDistributedDataParallel(nn.Module):
         self._exchange = AllReduce(bucket_cap_mb=bucket_cap_mb)
         ctx = SyncContext(comm=self.comm, membership=self.membership, device=device)
         self._exchange.setup(module, None, ctx)
-        self._hook_state = self._exchange.hook_state
 
     # ---- forward: timing and the simulated straggler -----------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -99,7 +98,7 @@ class RelaxedSyncDistributedDataParallel(nn.Module):
 
     def _record_previous_step(self) -> None:
         """Own compute of the previous step: from its forward to its last gradient bucket being ready."""
-        ready = self._hook_state.last_ready
+        ready = self._exchange.hook_state.last_ready
         if self._step_start is not None and ready is not None and ready > self._step_start:
             self._step_times.append(ready - self._step_start)
         self._step_start = None

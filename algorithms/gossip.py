@@ -37,6 +37,27 @@ class Replicas(SyncAlgorithm):
             p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
+    def read_range(self, lo: int, hi: int) -> torch.Tensor:
+        """A copy of elements ``[lo, hi)`` of the flat parameter vector."""
+        return torch.cat([view[a:b] for view, a, b in self._overlaps(lo, hi)])
+
+    def write_range(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Set elements ``[lo, hi)`` of the flat parameter vector."""
+        offset = 0
+        for view, a, b in self._overlaps(lo, hi):
+            view[a:b].copy_(values[offset : offset + b - a])
+            offset += b - a
+
+    def _overlaps(self, lo: int, hi: int) -> list[tuple[torch.Tensor, int, int]]:
+        """(flat view of a parameter, start, end within it) for every parameter that ``[lo, hi)`` touches."""
+        out, offset = [], 0
+        for p in self.parameters():
+            n = p.numel()
+            if offset < hi and offset + n > lo:
+                out.append((p.view(-1), max(lo - offset, 0), min(hi - offset, n)))
+            offset += n
+        return out
+
     def before_eval(self) -> None:
         """Average the replicas (and BN statistics) so evaluation and checkpoints see one model."""
         comm = self.ctx.comm

@@ -23,7 +23,7 @@ from engine.metrics import read_metrics
 
 OPTIONS = sorted(p.stem for p in (CONF_DIR / "sync").glob("*.yaml"))
 WRAPPERS = [o for o in OPTIONS if issubclass(get_class(plain_cfg(f"sync={o}")["sync"]["_target_"]), Wrapper)]
-# Options that make each algorithm's state matter within 2 x 2 steps (an averaging period that straddles the
+# Options that make each algorithm's state matter within 2 x 3 steps (an averaging period that straddles the
 # checkpoint, more tensors compressed); a wrapped algorithm takes them under sync.inner.
 STATEFUL = {
     "localsgd": ["begin_step=1", "k_steps=3"],
@@ -31,11 +31,17 @@ STATEFUL = {
     "dgc": ["min_compress_numel=1024"],
     "sgp": ["consensus_every=1"],
     "crossover": ["consensus_every=1"],
+    "diloco": ["inner_steps=2"],
+    "powersgd": ["start_powerSGD_iter=2"],  # compressing (with error feedback) before the checkpoint
     # No eviction (a negative threshold), so both runs keep their ranks; every check still agrees a verdict.
     "relaxed": ["relaxed_sync_threshold=-1", "check_every=1"],
 }
-# Modes beyond an option's defaults with state of their own (rounds in flight across steps, ...).
-VARIANTS = {"sgp": [["overlap=true", "synch_freq=2"]], "crossover": [["overlap=true"]]}
+# Modes beyond an option's defaults with state of their own (rounds in flight across steps, fragments, ...).
+VARIANTS = {
+    "sgp": [["overlap=true", "synch_freq=2"]],
+    "crossover": [["overlap=true"]],
+    "diloco": [["inner_steps=4", "fragments=2", "delay=1", "quantize=int8"], ["quantize=fp16", "alpha=0.5"]],
+}
 ALONE = [(o, []) for o in OPTIONS] + [(o, v) for o, variants in VARIANTS.items() for v in variants]
 CASES = [(None, o, v) for o, v in ALONE] + [(w, o, v) for w in WRAPPERS for o, v in ALONE if o not in WRAPPERS]
 
@@ -47,12 +53,12 @@ def _id(case: tuple) -> str:
 
 
 IDS = [_id(c) for c in CASES]
-# 2 processes x 2 steps per epoch x 2 epochs; the resumed run starts from the checkpoint after epoch 0.
+# 2 processes x 3 steps per epoch x 2 epochs; the resumed run starts from the checkpoint after epoch 1.
 COMMON = [
-    "model=test_resnet", "data=synthetic", "data.num_samples=64", "data.num_val_samples=32", "data.batch_size=16",
+    "model=test_resnet", "data=synthetic", "data.num_samples=96", "data.num_val_samples=32", "data.batch_size=16",
     "logger=none", "trainer.progress=false", "trainer.nproc=2", "trainer.epochs=2", "trainer.checkpoint_every=1",
 ]  # fmt: skip
-RESUME_STEP, LAST_STEP = 2, 4
+RESUME_STEP, LAST_STEP = 3, 6
 
 
 def _overrides(case: tuple) -> list[str]:
@@ -78,18 +84,27 @@ def runs(tmp_path_factory) -> Path:
     return root
 
 
-def _assert_same(a, b, where: str) -> None:
-    """Exactly equal, recursively (tensors, dicts, lists, numbers)."""
+# PowerSGD's matrix products in a resumed process's first step run on DDP's initial bucket layout, not on the
+# rebuilt one the uninterrupted run has by then, which moves results by about one unit in the last place
+# (algorithms/powersgd.py); every other option resumes bit for bit.
+TOLERANCE = {"powersgd": 1e-6}
+
+
+def _assert_same(a, b, where: str, atol: float = 0.0) -> None:
+    """Equal, recursively (tensors, dicts, lists, numbers): exactly, or tensors within ``atol``."""
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape, where
+        assert torch.equal(a, b) if not atol else torch.allclose(a.double(), b.double(), rtol=0, atol=atol), where
     elif isinstance(a, dict):
         assert isinstance(b, dict) and sorted(a) == sorted(b), f"{where}: keys {sorted(a)} vs {sorted(b)}"
         for key in a:
-            _assert_same(a[key], b[key], f"{where}.{key}")
+            _assert_same(a[key], b[key], f"{where}.{key}", atol)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
+            _assert_same(x, y, f"{where}[{i}]", atol)
+    elif atol and isinstance(a, float):
+        assert abs(a - b) <= atol * max(1.0, abs(a)), f"{where}: {a!r} vs {b!r}"
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
@@ -107,14 +122,15 @@ def test_resume_ends_where_an_uninterrupted_run_ends(runs, case):
     assert [r["step"] for r in records(resumed_metrics, "train")] == list(range(RESUME_STEP, LAST_STEP))  # once
     a, b = _load(full / "checkpoints" / "last.pt"), _load(resumed / "checkpoints" / "last.pt")
     assert a["step"] == b["step"] == LAST_STEP
+    atol = TOLERANCE.get(case[1], 0.0)
     for key in ("model", "optimizer", "sync", "schedule", "amp"):
-        _assert_same(a[key], b[key], key)
+        _assert_same(a[key], b[key], key, atol)
     own = sorted(p.name for p in (full / "checkpoints").glob("sync_rank*.pt"))
     assert own == sorted(p.name for p in (resumed / "checkpoints").glob("sync_rank*.pt"))
     for name in own:  # every rank's own state, e.g. DGC residuals and local momenta
-        _assert_same(_load(full / "checkpoints" / name), _load(resumed / "checkpoints" / name), name)
+        _assert_same(_load(full / "checkpoints" / name), _load(resumed / "checkpoints" / name), name, atol)
     final_eval = records(full_metrics, "eval")[-1]
-    assert final_eval == records(resumed_metrics, "eval")[-1]
+    _assert_same(final_eval, records(resumed_metrics, "eval")[-1], "eval", atol)
     # Replicas that differ are evaluated as such, whether or not a wrapper sits around the exchange.
     sync = plain_cfg(*_overrides(case))["sync"]
     exchange = get_class(sync.get("inner", sync)["_target_"])
@@ -210,8 +226,9 @@ def test_a_wrapper_forwards_calls_state_and_flags_to_the_inner_algorithm():
     wrapper.finalize()
     called = [name for name, _ in inner.calls]
     assert called == [
-        "setup", "on_epoch_start", "before_step", "after_backward", "after_optimizer_step", "on_membership_change",
-        "drain", "before_eval", "state_dict", "local_state_dict", "load_state_dict", "load_local_state_dict", "finalize",
+        "setup", "on_epoch_start", "before_step", "after_backward", "after_optimizer_step",
+        "on_membership_change", "drain", "before_eval", "state_dict", "local_state_dict", "load_state_dict",
+        "load_local_state_dict", "finalize",
     ]  # fmt: skip
     assert dict(inner.calls)["after_optimizer_step"] == (result,)
     assert dict(inner.calls)["load_state_dict"] == ({"shared": 2},)

@@ -1,0 +1,201 @@
+"""DiLoCo and Streaming DiLoCo: rare, fragmented, overlapped and quantized outer synchronization.
+
+DiLoCo: Distributed Low-Communication Training of Language Models (Douillard et al., arXiv 2311.08105). Every
+rank takes ``inner_steps`` (H) steps of the configured optimizer from the shared parameters theta; then the
+pseudo-gradients Delta_m = theta - theta_m are averaged over the ranks and an *outer* optimizer, SGD with
+Nesterov momentum (lr 0.7, momentum 0.9, as in the paper and torchft), applies the average to theta, and every
+rank continues from the new theta. With outer lr 1 and no momentum it is exactly local SGD with period H.
+
+Streaming DiLoCo (Douillard et al., arXiv 2501.18512) adds: ``fragments`` (P): the parameters are split into P
+contiguous parts (the flat parameter vector cut into P equal chunks, as Crossover-SGD's integer segments), and
+one part is synchronized every H/P steps on a staggered schedule, so the peak traffic drops P-fold;
+``delay`` (tau < H/P): a part's exchange starts after step t and is applied after step t + tau, overlapped with
+the inner steps in between; ``alpha``: on apply, the part becomes alpha x local + (1 - alpha) x global (0, the
+default, takes the global); ``quantize``: the pseudo-gradients travel as ``fp16`` (an allreduce in half
+precision) or ``int8`` (blockwise min-max with one fp32 minimum and scale per block of ``quant_block``
+values, exchanged by allgather and averaged after dequantizing; the outer step itself stays fp32). Counted
+bytes are those of what actually travels (the quantized payload). Which part syncs when depends only on the
+step, identically on every rank, so collectives always match, and a resumed run continues the same schedule.
+
+A CNN with BatchNorm is new ground for DiLoCo (it was shown on transformers). The choice here: BN running
+statistics are not pseudo-gradients; they are averaged over the ranks once per H steps (with the last part's
+sync), as local SGD does at each averaging. The inner optimizer's state (momentum) stays each rank's own; the
+outer parameters and momentum are the same on every rank and are checkpointed once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from algorithms.base import StepResult, SyncContext, SyncReport
+from algorithms.comm import Pending
+from algorithms.crossover import segment_ranges
+from algorithms.gossip import Replicas
+from errors import is_int, is_number, require
+
+QUANTIZE = ("none", "fp16", "int8")
+
+
+# ---- int8 blockwise min-max quantization ----------------------------------------------------------------------
+def quantize_int8(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` (1-D fp32) as one uint8 tensor: per block of ``block`` values one fp32 minimum and one fp32 scale
+    (8 bytes), then one byte per value, ``round((v - min) / scale)`` with ``scale = (max - min) / 255``. The
+    round trip is within half a scale step of ``x``."""
+    n = x.numel()
+    pad = (-n) % block  # the last block is filled up with its own last value, which widens no range
+    blocks = torch.cat([x, x[-1:].expand(pad)]).view(-1, block) if pad else x.view(-1, block)
+    low, high = blocks.min(dim=1).values, blocks.max(dim=1).values
+    scale = (high - low) / 255.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((blocks - low[:, None]) / safe[:, None]).round_().clamp_(0, 255).to(torch.uint8).view(-1)[:n]
+    header = torch.stack([low, scale], dim=1).contiguous().view(torch.uint8).view(-1)
+    return torch.cat([header, codes])
+
+
+def dequantize_int8(packed: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """The inverse of :func:`quantize_int8` for ``n`` values."""
+    num_blocks = math.ceil(n / block)
+    header = packed[: 8 * num_blocks].view(torch.float32).view(num_blocks, 2)
+    codes = packed[8 * num_blocks : 8 * num_blocks + n].float()
+    index = torch.arange(n, device=packed.device) // block
+    return header[index, 0] + codes * header[index, 1]
+
+
+def fragment_due(step: int, inner_steps: int, fragments: int) -> int | None:
+    """The fragment whose outer sync starts after ``step`` (the same on every rank), or None: one every
+    ``inner_steps / fragments`` steps, in turn, so each fragment once per ``inner_steps`` steps."""
+    interval = inner_steps // fragments
+    if (step + 1) % interval:
+        return None
+    return ((step + 1) // interval - 1) % fragments
+
+
+@dataclass
+class FragmentSync:
+    """One fragment's outer synchronization in flight."""
+
+    due: int  # the step after which it is applied
+    fragment: int
+    pending: Pending  # the exchange of the pseudo-gradients (or their quantized form)
+
+
+class DiLoCo(Replicas):
+    """``sync=diloco``: inner steps of the configured optimizer, outer Nesterov SGD on averaged pseudo-gradients."""
+
+    name = "diloco"
+
+    def __init__(
+        self,
+        inner_steps: int = 32,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        fragments: int = 1,
+        delay: int = 0,
+        alpha: float = 0.0,
+        quantize: str = "none",
+        quant_block: int = 1024,
+        average_buffers: bool = True,
+    ):
+        self.inner_steps, self.fragments, self.delay = inner_steps, fragments, delay
+        self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
+        self.alpha, self.quantize, self.quant_block = alpha, quantize, quant_block
+        self.average_buffers = average_buffers
+        self._in_flight: deque[FragmentSync] = deque()
+
+    @classmethod
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        h, p, d = section["inner_steps"], section["fragments"], section["delay"]
+        require(is_int(h) and h >= 1, "sync.inner_steps", h, "an integer >= 1 (H, inner steps per outer step)")
+        require(
+            is_int(p) and p >= 1 and h % p == 0,
+            "sync.fragments",
+            p,
+            f"an integer >= 1 that divides sync.inner_steps ({h})",
+        )
+        require(
+            is_int(d) and 0 <= d < h // p,
+            "sync.delay",
+            d,
+            f"an integer in [0, {h // p}) (less than inner_steps / fragments: a fragment lands before its next sync)",
+        )
+        lr, mu = section["outer_lr"], section["outer_momentum"]
+        require(is_number(lr) and lr > 0, "sync.outer_lr", lr, "a learning rate > 0")
+        require(is_number(mu) and 0 <= mu < 1, "sync.outer_momentum", mu, "a number in [0, 1)")
+        a = section["alpha"]
+        require(is_number(a) and 0 <= a <= 1, "sync.alpha", a, "a number in [0, 1] (0: take the global parameters)")
+        q = section["quantize"]
+        require(q in QUANTIZE, "sync.quantize", q, f"one of {', '.join(QUANTIZE)}")
+        b = section["quant_block"]
+        require(is_int(b) and b >= 1, "sync.quant_block", b, "an integer >= 1 (values per int8 scale)")
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: SyncContext) -> None:
+        super().setup(model, optimizer, ctx)
+        self.ranges = [(lo, hi) for _, lo, hi in segment_ranges(model, self.fragments)]
+        # The outer parameters and momentum (fp32, the same on every rank: every rank starts from the same seed).
+        self.global_params = self.flat_parameters().float().clone()
+        self.momentum = torch.zeros_like(self.global_params)
+
+    # ---- the schedule --------------------------------------------------------------------------------------
+    def after_optimizer_step(self, result: StepResult) -> SyncReport:
+        step, metrics = result.step, {}
+        fragment = fragment_due(step, self.inner_steps, self.fragments)
+        if fragment is not None:
+            self._in_flight.append(FragmentSync(step + self.delay, fragment, self._start(fragment)))
+            metrics["outer_fragment"] = fragment
+        while self._in_flight and self._in_flight[0].due <= step:
+            metrics["pseudo_grad_norm"] = self._apply(self._in_flight.popleft())
+        if (step + 1) % self.inner_steps == 0 and self.average_buffers:
+            self.ctx.comm.average_buffers(self.model)
+        return SyncReport(metrics=metrics)
+
+    def drain(self) -> None:
+        while self._in_flight:
+            self._apply(self._in_flight.popleft())
+
+    # ---- one fragment's outer step ---------------------------------------------------------------------------
+    def _start(self, fragment: int) -> Pending:
+        """Issue the exchange of this rank's pseudo-gradient for ``fragment``."""
+        lo, hi = self.ranges[fragment]
+        delta = self.global_params[lo:hi] - self.read_range(lo, hi).float()
+        comm = self.ctx.comm
+        if self.quantize == "int8":
+            return comm.all_gather_async(quantize_int8(delta, self.quant_block))
+        if self.quantize == "fp16":
+            return comm.all_reduce_async(delta.half())
+        return comm.all_reduce_async(delta)
+
+    def _apply(self, sync: FragmentSync) -> float:
+        """Average the pseudo-gradients, take the outer step on the fragment and set the local fragment from the
+        new global one; returns the averaged pseudo-gradient's norm."""
+        lo, hi = self.ranges[sync.fragment]
+        result, n = sync.pending.wait(), self.ctx.comm.size
+        if self.quantize == "int8":
+            delta = sum(dequantize_int8(packed, hi - lo, self.quant_block) for packed in result) / n
+        else:
+            delta = result.float() / n
+        momentum = self.momentum[lo:hi]
+        if self.outer_momentum:
+            momentum.mul_(self.outer_momentum).add_(delta)
+            update = delta + self.outer_momentum * momentum if self.nesterov else momentum
+        else:
+            update = delta
+        theta = self.global_params[lo:hi]
+        theta.sub_(update, alpha=self.outer_lr)
+        local = self.read_range(lo, hi)
+        self.write_range(lo, hi, local.mul_(self.alpha).add_(theta, alpha=1.0 - self.alpha) if self.alpha else theta)
+        return float(delta.norm())
+
+    # ---- state -----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_params": self.global_params, "momentum": self.momentum}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_params.copy_(state["global_params"])
+        self.momentum.copy_(state["momentum"])
