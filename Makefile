@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-full lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-network clean
+.PHONY: help venv train test test-full lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -36,7 +36,7 @@ format: $(STAMP) ## ruff format + autofix
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-network ## run every benchmark (results: BENCHMARKS.md)
+bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network ## run every benchmark (results: BENCHMARKS.md)
 
 bench-overhead: $(STAMP) ## our allreduce loop vs a plain torch DDP loop (samples/s ratio)
 	$(PY) -m bench.overhead $(ARGS)
@@ -56,7 +56,10 @@ bench-localsgd: $(STAMP) ## local SGD k = 1..16 and adaptive: samples/s, bytes/s
 bench-gossip: $(STAMP) ## allreduce vs SGP vs crossover (coarse, fine, hierarchical), 4 processes
 	$(PY) -m bench.gossip $(ARGS)
 
-bench-network: $(STAMP) ## every algorithm on emulated slow links, multi-node torchrun (root; ~20 min)
+bench-diloco: $(STAMP) ## DiLoCo (H sweep) and streaming DiLoCo vs allreduce and local SGD top-1, 2 and 4 processes
+	$(PY) -m bench.diloco $(ARGS)
+
+bench-network: $(STAMP) ## every algorithm on emulated slow links, multi-node torchrun (root; ~25 min)
 	$(PY) -m bench.network $(ARGS)
 
 clean: ## remove run outputs (keeps .venv)

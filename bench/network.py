@@ -1,8 +1,8 @@
 """Every sync algorithm on emulated slow links, as real multi-node torchrun jobs (needs root).
 
     sudo make bench-network
-    python -m bench.network [--nodes 2] [--rates unlimited,1gbit,500mbit,200mbit,100mbit]
-                            [--algorithms allreduce,dgc,...] [--warmup 4] [--window 16] [--no-straggler]
+    python -m bench.network [--nodes 2] [--rates unlimited,1gbit,100mbit]
+                            [--algorithms none,allreduce,dgc,...] [--warmup 4] [--window 16] [--no-straggler]
 
 Each "node" is a network namespace with its own shaped link into a switch (``bench/netns.py``). For each link
 rate and each algorithm, one ``torchrun --nnodes N --nproc-per-node 1`` is started in every namespace, all
@@ -10,15 +10,16 @@ meeting at a c10d rendezvous endpoint on the first node: the path a user takes o
 ``experiment=network`` (ResNet-10-T, digits at 76 px, batch 32 per node; its config explains why).
 
 Per cell: mean step time over ``--window`` steady-state steps after ``--warmup`` (a whole number of local SGD
-periods; a median would hide local SGD's averaging steps), samples/s, speedup over allreduce at the same rate,
+and DiLoCo periods; a median would hide their averaging steps), samples/s, speedup over allreduce at the same
+rate, the step time over the compute-only floor (``sync=none`` at the same rate: what no exchange can beat),
 bytes sent per step as counted by the Communicator, and bytes the first rank's node actually sent on its
 interface over the same steps (``trainer.netdev``), so the accounting is checked against the wire.
 
 The straggler-link scenario: 3 nodes, one on a much slower link, allreduce vs relaxed sync measuring compute
 (CAC's measure) vs relaxed sync measuring links (``sync.measure=link``).
 
-Results: bench/results/network.jsonl (one line per run), network.md (the tables), network_step_time.png and
-network_speedup.png.
+Results: bench/results/network.jsonl (one line per run), network.md (the tables), network_step_time.png,
+network_speedup.png and network_floor.png.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ from engine.metrics import read_metrics
 
 ALGORITHMS: dict[str, tuple[str, list[str]]] = {
     # key: (column name, overrides)
+    "none": ("none (floor)", ["sync=none"]),
     "allreduce": ("allreduce", ["sync=allreduce"]),
+    "powersgd": ("PowerSGD r=1", ["sync=powersgd", "sync.start_powerSGD_iter=2"]),
     "dgc": ("DGC", ["sync=dgc"]),
     "localsgd4": ("local SGD k=4", ["sync=localsgd", "sync.begin_step=0", "sync.k_steps=4"]),
     "localsgd16": ("local SGD k=16", ["sync=localsgd", "sync.begin_step=0", "sync.k_steps=16"]),
@@ -52,10 +55,21 @@ ALGORITHMS: dict[str, tuple[str, list[str]]] = {
     ),
     # Consensus distance (a diagnostic allreduce of the whole model every 10 steps by default) off: it would
     # cost a tenth of the gossip traffic again, uncounted in bytes_sent by design.
+    "diloco": ("DiLoCo H=16", ["sync=diloco", "sync.inner_steps=16"]),
+    # H=32 in 4 fragments (one every 8 steps, overlapped with 2), int8: 1/128 of allreduce's bytes per step.
+    "streaming": (
+        "streaming DiLoCo",
+        ["sync=diloco", "sync.inner_steps=32", "sync.fragments=4", "sync.delay=2", "sync.quantize=int8"],
+    ),
     "sgp": ("SGP", ["sync=sgp", "sync.consensus_every=1000000"]),
+    "sgp_overlap": ("SGP overlap", ["sync=sgp", "sync.overlap=true", "sync.consensus_every=1000000"]),
     "crossover": ("crossover", ["sync=crossover", "sync.consensus_every=1000000"]),
+    "crossover_overlap": (
+        "crossover overlap",
+        ["sync=crossover", "sync.overlap=true", "sync.consensus_every=1000000"],
+    ),
 }
-DEFAULT_RATES = "unlimited,1gbit,500mbit,200mbit,100mbit"
+DEFAULT_RATES = "unlimited,1gbit,100mbit"
 FLEET_1G = {"dense_s": 2.45, "dgc_s": 0.375}  # Paddle's FasterRCNN, 2 machines, seconds per step
 # Fleet's DGC speedups (dense / DGC s/step) at 1G and 10G, drawn at a tenth of the bandwidth: our matched tier.
 FLEET_DGC_SPEEDUPS = {100e6: 2.45 / 0.375, 1e9: 0.55 / 0.375}
@@ -190,9 +204,13 @@ def links(args: argparse.Namespace, net: EmulatedNetwork, workdir: Path, emit) -
                 )
             )  # fmt: skip
     base = {c["rate"]: c for c in cells if c["algorithm"] == "allreduce" and "error" not in c}
+    floor = {c["rate"]: c for c in cells if c["algorithm"] == "none" and "error" not in c}
     for c in cells:
         if "error" not in c and c["rate"] in base:
             c["speedup"] = base[c["rate"]]["step_s"] / c["step_s"]
+            c["bytes_vs_allreduce"] = base[c["rate"]]["bytes_per_step"] / max(c["bytes_per_step"], 1e-9)
+        if "error" not in c and c["rate"] in floor:
+            c["x_floor"] = c["step_s"] / floor[c["rate"]]["step_s"]  # 1.0: as fast as computing alone
     return cells
 
 
@@ -255,6 +273,16 @@ def tables(cells: list[dict[str, Any]], args: argparse.Namespace) -> str:
             c = by.get((rate, k), {})
             row.append("failed" if "error" in c else f"{c['step_s']:.3f} ({c.get('speedup', float('nan')):.2f}x)")
         out.append(f"| {rate} | " + " | ".join(row) + " |")
+    out.append(
+        f"\nStep time over the compute-only floor (sync=none at the same rate; 1.00 = no cost), {args.nodes} nodes:\n"
+    )
+    out.append(head)
+    for rate in args.rates:
+        row = []
+        for k in keys:
+            c = by.get((rate, k), {})
+            row.append("failed" if "error" in c else f"{c.get('x_floor', float('nan')):.2f}")
+        out.append(f"| {rate} | " + " | ".join(row) + " |")
     out.append(f"\nBytes sent per node per step, counted (wire/counted on the interface), {args.nodes} nodes:\n")
     out.append(head)
     for rate in args.rates:
@@ -302,6 +330,7 @@ def plot(cells: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> li
     for key, ylabel, fname in (
         ("step_s", "seconds per step", "network_step_time.png"),
         ("speedup", "speedup over allreduce", "network_speedup.png"),
+        ("x_floor", "step time / compute-only step (sync=none)", "network_floor.png"),
     ):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for alg in args.algorithms:

@@ -230,8 +230,12 @@ def _spread_and_watch(cfg: dict, run_dir: str) -> None:
 
 @record
 def crossover_watch(cfg: dict, run_dir: str) -> None:
-    """Record every point-to-point exchange (segment sizes, peers) and, after every step, whether this rank's
-    parameters equal those of every other rank of its group."""
+    """For every config of ``configs.json``: record every point-to-point exchange (segment sizes, peers) and,
+    after every step, whether this rank's parameters equal those of every other rank of its group."""
+    _each(run_dir, _crossover_watch)
+
+
+def _crossover_watch(cfg: dict, run_dir: str) -> None:
     import json
 
     import torch
@@ -263,15 +267,22 @@ def crossover_watch(cfg: dict, run_dir: str) -> None:
         return report
 
     comm.exchange, sync.after_optimizer_step = watch_exchange, watch_step
-    _fit(trainer)
+    trainer.fit()
+    trainer.recorder.close()
+    comm.exchange = exchange
     with open(f"{run_dir}/crossover_rank{trainer.rank}.json", "w") as f:
         json.dump({"rounds": rounds, "same_in_group": same_in_group, "segments": len(sync.ranges)}, f)
 
 
 @record
 def slow_link_on_rank2(cfg: dict, run_dir: str) -> None:
-    """Rank 2's point-to-point transfers take 0.3 s longer, in both directions: its peers wait for its sends,
-    and it waits before receiving. Its compute is as fast as anyone's (a slow network link, not a slow host)."""
+    """For every config of ``configs.json`` (one evicting rank 2, if any, last): rank 2's point-to-point
+    transfers take 0.3 s longer, in both directions: its peers wait for its sends, and it waits before
+    receiving. Its compute is as fast as anyone's (a slow network link, not a slow host)."""
+    _each(run_dir, _slow_link_run)
+
+
+def _slow_link_run(cfg: dict, run_dir: str) -> None:
     import time
 
     from engine.loop import Trainer
@@ -285,4 +296,5 @@ def slow_link_on_rank2(cfg: dict, run_dir: str) -> None:
             return original(sends, recvs, mean_fraction)
 
         trainer.comm.exchange = slow_exchange
-    _fit(trainer)
+    trainer.fit()
+    trainer.recorder.close()

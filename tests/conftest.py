@@ -87,6 +87,15 @@ def records(metrics: list[dict], kind: str) -> list[dict]:
     return [r for r in metrics if r["kind"] == kind]
 
 
+@pytest.fixture(scope="session")
+def contract_runs(tmp_path_factory) -> Path:
+    """The contract test's runs (``_contract.py``): every sync option, alone and wrapped, uninterrupted and
+    resumed, in one launch; other tests read the same runs for properties of their own."""
+    from _contract import run_all
+
+    return run_all(tmp_path_factory.mktemp("contract"))
+
+
 @pytest.fixture
 def digits_imagefolder(tmp_path: Path) -> Path:
     """A real ImageNet-layout folder: digits written as PNGs, 12 train and 4 val images per class."""

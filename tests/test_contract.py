@@ -2,87 +2,25 @@
 checkpoint with ``trainer.resume=auto`` ends exactly where an uninterrupted run of the same length ends
 (parameters, optimizer, shared and per-rank sync state), and a wrapper forwards every hook and flag.
 
-All cases run in one launch of two worker processes, one case after another (``_workers.uninterrupted_and_resumed``):
-each resumed run builds a new Trainer, membership and sync algorithm that know only what the checkpoint holds. A
-resume across processes, as a restarted job does it, is tested in ``test_train.py`` and ``test_localsgd.py``.
+All cases (``_contract.py``) run in one launch of two worker processes, one case after another
+(``_workers.uninterrupted_and_resumed``): each resumed run builds a new Trainer, membership and sync algorithm that
+know only what the checkpoint holds. A resume across processes, as a restarted job does it, is tested in
+``test_train.py`` and ``test_localsgd.py``.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONF_DIR, plain_cfg, records
+from _contract import CASES, IDS, LAST_STEP, RESUME_STEP, case_dir, overrides
+from conftest import plain_cfg, records
 from hydra.utils import get_class
 
 from algorithms.base import StepResult, SyncAlgorithm, SyncReport, Wrapper
 from engine.metrics import read_metrics
-
-OPTIONS = sorted(p.stem for p in (CONF_DIR / "sync").glob("*.yaml"))
-WRAPPERS = [o for o in OPTIONS if issubclass(get_class(plain_cfg(f"sync={o}")["sync"]["_target_"]), Wrapper)]
-# Options that make each algorithm's state matter within 2 x 3 steps (an averaging period that straddles the
-# checkpoint, more tensors compressed); a wrapped algorithm takes them under sync.inner.
-STATEFUL = {
-    "localsgd": ["begin_step=1", "k_steps=3"],
-    "adaptive_localsgd": ["begin_step=1", "init_k_steps=3"],
-    "dgc": ["min_compress_numel=1024"],
-    "sgp": ["consensus_every=1"],
-    "crossover": ["consensus_every=1"],
-    "diloco": ["inner_steps=2"],
-    "powersgd": ["start_powerSGD_iter=2"],  # compressing (with error feedback) before the checkpoint
-    # No eviction (a negative threshold), so both runs keep their ranks; every check still agrees a verdict.
-    "relaxed": ["relaxed_sync_threshold=-1", "check_every=1"],
-}
-# Modes beyond an option's defaults with state of their own (rounds in flight across steps, fragments, ...).
-VARIANTS = {
-    "sgp": [["overlap=true", "synch_freq=2"]],
-    "crossover": [["overlap=true"]],
-    "diloco": [["inner_steps=4", "fragments=2", "delay=1", "quantize=int8"], ["quantize=fp16", "alpha=0.5"]],
-}
-ALONE = [(o, []) for o in OPTIONS] + [(o, v) for o, variants in VARIANTS.items() for v in variants]
-CASES = [(None, o, v) for o, v in ALONE] + [(w, o, v) for w in WRAPPERS for o, v in ALONE if o not in WRAPPERS]
-
-
-def _id(case: tuple) -> str:
-    wrapper, option, variant = case
-    keys = "".join(f" sync{'.inner' if wrapper else ''}.{kv}" for kv in variant)
-    return (f"sync={wrapper} sync@sync.inner={option}" if wrapper else f"sync={option}") + keys
-
-
-IDS = [_id(c) for c in CASES]
-# 2 processes x 3 steps per epoch x 2 epochs; the resumed run starts from the checkpoint after epoch 1.
-COMMON = [
-    "model=test_resnet", "data=synthetic", "data.num_samples=96", "data.num_val_samples=32", "data.batch_size=16",
-    "logger=none", "trainer.progress=false", "trainer.nproc=2", "trainer.epochs=2", "trainer.checkpoint_every=1",
-]  # fmt: skip
-RESUME_STEP, LAST_STEP = 3, 6
-
-
-def _overrides(case: tuple) -> list[str]:
-    wrapper, option, variant = case
-    if wrapper is None:
-        return [*COMMON, f"sync={option}", *(f"sync.{kv}" for kv in STATEFUL.get(option, []) + variant)]
-    own = [f"sync.{kv}" for kv in STATEFUL.get(wrapper, [])]
-    inner = [f"sync.inner.{kv}" for kv in STATEFUL.get(option, []) + variant]
-    return [*COMMON, f"sync={wrapper}", f"sync@sync.inner={option}", *own, *inner]
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    """Every case run uninterrupted and resumed, in one launch; returns the directory holding ``<case>/``."""
-    from _workers import uninterrupted_and_resumed
-
-    from engine.launch import launch
-
-    root = tmp_path_factory.mktemp("contract")
-    cases = {f"case{i}": plain_cfg(*_overrides(case)) for i, case in enumerate(CASES)}
-    (root / "cases.json").write_text(json.dumps({"cases": cases, "resume_step": RESUME_STEP}))
-    launch(next(iter(cases.values())), str(root), entrypoint=uninterrupted_and_resumed)
-    return root
-
 
 # PowerSGD's matrix products in a resumed process's first step run on DDP's initial bucket layout, not on the
 # rebuilt one the uninterrupted run has by then, which moves results by about one unit in the last place
@@ -114,8 +52,8 @@ def _load(path: Path) -> dict:
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_resume_ends_where_an_uninterrupted_run_ends(runs, case):
-    full, resumed = runs / f"case{CASES.index(case)}" / "full", runs / f"case{CASES.index(case)}" / "resumed"
+def test_resume_ends_where_an_uninterrupted_run_ends(contract_runs, case):
+    full, resumed = case_dir(contract_runs, case) / "full", case_dir(contract_runs, case) / "resumed"
     full_metrics = read_metrics(str(full / "metrics.jsonl"))
     resumed_metrics = read_metrics(str(resumed / "metrics.jsonl"))
     assert [r["event"] for r in records(resumed_metrics, "event")].count("resume") == 1
@@ -132,14 +70,14 @@ def test_resume_ends_where_an_uninterrupted_run_ends(runs, case):
     final_eval = records(full_metrics, "eval")[-1]
     _assert_same(final_eval, records(resumed_metrics, "eval")[-1], "eval", atol)
     # Replicas that differ are evaluated as such, whether or not a wrapper sits around the exchange.
-    sync = plain_cfg(*_overrides(case))["sync"]
+    sync = plain_cfg(*overrides(case))["sync"]
     exchange = get_class(sync.get("inner", sync)["_target_"])
     assert ("replica_top1" in final_eval) == exchange.evaluates_replicas
 
 
-def test_none_sends_nothing_while_training(runs):
+def test_none_sends_nothing_while_training(contract_runs):
     """sync=none, the compute-only floor: not a byte while training; its replicas are evaluated as such."""
-    metrics = read_metrics(str(runs / f"case{CASES.index((None, 'none', []))}" / "full" / "metrics.jsonl"))
+    metrics = read_metrics(str(case_dir(contract_runs, (None, "none", [])) / "full" / "metrics.jsonl"))
     steps = records(metrics, "train")
     assert steps and all(r["bytes_sent"] == 0 and r["payload_bytes"] == 0 for r in steps)
     assert "replica_top1" in records(metrics, "eval")[-1]

@@ -108,25 +108,25 @@ def test_pack_and_unpack_round_trip(count, dtype):
     assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
 
 
-@pytest.mark.parametrize("fp16_values", [False, True])
-def test_bytes_sent_match_the_sparse_exchange(tmp_path, fp16_values):
-    _, metrics = train(
-        tmp_path, *FAST, "sync=dgc", "trainer.max_steps=3", "sync.min_compress_numel=16384",
-        f"sync.fp16_values={fp16_values}",
-    )  # fmt: skip
+def test_bytes_sent_match_the_sparse_exchange(tmp_path):
+    common = [*FAST, "sync=dgc", "trainer.max_steps=3", "sync.min_compress_numel=16384"]
+    runs = train_each(
+        tmp_path, {"fp32": [*common, "sync.fp16_values=false"], "fp16": [*common, "sync.fp16_values=true"]}
+    )
     model = timm.create_model("test_resnet", num_classes=10)
     sizes = [p.numel() for p in model.parameters()]
     big = [n for n in sizes if n >= 16384]
     small = sum(n for n in sizes if n < 16384)
     k = sum(keep_count(n, 0.999) for n in big)
     n_ranks = 2
-    value_bytes = 2 if fp16_values else 4
-    expected = 2 * (n_ranks - 1) / n_ranks * 4 * (small + 1) + (n_ranks - 1) * (4 + value_bytes) * k
     dense = 2 * (n_ranks - 1) / n_ranks * 4 * sum(sizes)
-    for r in records(metrics, "train"):
-        assert r["bytes_sent"] == pytest.approx(expected)
-        assert r["compression"] == pytest.approx(dense / expected)
-        assert r["sparsity"] == 0.999
+    for name, metrics in runs.items():  # fp32 or fp16 values; int32 indices
+        value_bytes = 2 if name == "fp16" else 4
+        expected = 2 * (n_ranks - 1) / n_ranks * 4 * (small + 1) + (n_ranks - 1) * (4 + value_bytes) * k
+        for r in records(metrics, "train"):
+            assert r["bytes_sent"] == pytest.approx(expected)
+            assert r["compression"] == pytest.approx(dense / expected)
+            assert r["sparsity"] == 0.999
 
 
 def test_overflow_on_one_rank_skips_the_step_everywhere(tmp_path):

@@ -1,5 +1,6 @@
 """sync=diloco: with outer lr 1 and no momentum it is local SGD; every fragment syncs once per outer step; the
-int8 pseudo-gradients round-trip within half a quantization step and are what is counted."""
+int8 pseudo-gradients round-trip within half a quantization step and are what is counted. (Resume of every
+DiLoCo variant, alone and inside relaxed sync: test_contract.py.)"""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import math
 import pytest
 import timm
 import torch
+from _contract import case_dir
 from conftest import FAST, load_model_state, records, train_each
 
 from algorithms.crossover import segment_ranges
 from algorithms.diloco import dequantize_int8, fragment_due, quantize_int8
+from engine.metrics import read_metrics
 
 FAST = [*FAST, "trainer.nproc=2"]
 
@@ -46,31 +49,40 @@ def test_every_fragment_syncs_once_per_outer_step_and_fragments_cover_the_model(
         assert all(b - a == inner_steps // fragments for a, b in zip(gaps, gaps[1:]))  # staggered evenly
 
 
-def test_outer_lr_1_without_momentum_is_local_sgd_and_int8_bytes_are_the_payload(tmp_path):
+def test_outer_lr_1_without_momentum_is_local_sgd(tmp_path):
     """theta - 1 x mean(theta - theta_m) is mean(theta_m): DiLoCo is local SGD, but for rounding (the two compute
     the average differently), which training then amplifies about 3x a step; over two outer steps of 4 steps the
     parameters stay within 1e-5 (2.4e-7 measured)."""
     common = [*FAST, "optimizer=momentum", "trainer.max_steps=8", "data.batch_size=16", "trainer.checkpoint_every=0"]
     outer_is_average = ["sync.outer_lr=1.0", "sync.outer_momentum=0.0", "sync.nesterov=false"]
-    streaming = ["sync.inner_steps=4", "sync.fragments=2", "sync.delay=1", "sync.quantize=int8"]
-    metrics = train_each(
+    train_each(
         tmp_path,
         {
             "diloco": [*common, "sync=diloco", "sync.inner_steps=4", *outer_is_average],
             "localsgd": [*common, "sync=localsgd", "sync.begin_step=0", "sync.k_steps=4"],
-            "streaming": [*common, "sync=diloco", *streaming],
         },
     )
     a, b = load_model_state(tmp_path / "diloco"), load_model_state(tmp_path / "localsgd")
     for name, p in b.items():
         if p.is_floating_point():
             torch.testing.assert_close(a[name], p, atol=1e-5, rtol=0, msg=name)
-    # Streaming: a fragment every 2 steps, sent as int8 with one fp32 minimum and scale per 1024 values.
+
+
+def test_streaming_bytes_are_the_int8_fragments(contract_runs):
+    """The contract test's streaming run (H=4 in 2 fragments, delay 1, int8): a fragment every 2 steps, sent as
+    one byte per value plus one fp32 minimum and scale per 1024 values, by allgather (2 ranks: each sends its
+    own); BN statistics averaged once per outer step."""
+    case = (None, "diloco", ["inner_steps=4", "fragments=2", "delay=1", "quantize=int8"])
+    metrics = read_metrics(str(case_dir(contract_runs, case) / "full" / "metrics.jsonl"))
     model = timm.create_model("test_resnet", num_classes=10)
     fragments = [hi - lo for _, lo, hi in segment_ranges(model, 2)]
-    buffers = sum(b.numel() * 4 for b in model.buffers() if b.is_floating_point())  # averaged once per 4 steps
-    for r in records(metrics["streaming"], "train"):
+    buffers = sum(b.numel() * 4 for b in model.buffers() if b.is_floating_point())
+    steps = records(metrics, "train")
+    assert len(steps) == 6
+    for r in steps:
         fragment = fragment_due(r["step"], 4, 2)
         expected = 0 if fragment is None else 8 * math.ceil(fragments[fragment] / 1024) + fragments[fragment]
         expected += buffers if (r["step"] + 1) % 4 == 0 else 0  # ring allreduce of 2 sends S
         assert r["bytes_sent"] == expected, r["step"]
+    dense = 4 * sum(p.numel() for p in model.parameters())
+    assert sum(r["bytes_sent"] for r in steps) < 6 * dense / 8  # vs allreduce every step

@@ -69,24 +69,32 @@ def test_gossip_converges_to_the_exact_initial_average_with_and_without_overlap(
 
 
 @pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.full), pytest.param(3, marks=pytest.mark.full), 4])
-@pytest.mark.parametrize("sync", ["sgp", "crossover"])
-def test_bytes_per_step_are_the_model_bytes_whatever_n(tmp_path, sync, n):
+def test_bytes_per_step_are_the_model_bytes_whatever_n(tmp_path, n):
     # make test: n=4 (2 and 3 in make test-full); at 4 ranks a ring allreduce would send 1.5 S, gossip S
-    _, metrics = train(tmp_path, *FAST, "data=synthetic", f"sync={sync}", f"trainer.nproc={n}", "trainer.max_steps=3")
-    push_sum_weight = 4 if sync == "sgp" else 0  # SGP's message carries the 4-byte push-sum weight
-    for r in records(metrics, "train"):
-        assert r["bytes_sent"] == TEST_RESNET_BYTES + push_sum_weight
-    assert records(metrics, "train")[0]["consensus_bytes"] > 0  # measured apart from bytes_sent
+    common = [*FAST, "data=synthetic", f"trainer.nproc={n}", "trainer.max_steps=3"]
+    metrics = train_each(tmp_path, {sync: [*common, f"sync={sync}"] for sync in ("sgp", "crossover")})
+    for sync, push_sum_weight in (("sgp", 4), ("crossover", 0)):  # SGP's message carries the push-sum weight
+        for r in records(metrics[sync], "train"):
+            assert r["bytes_sent"] == TEST_RESNET_BYTES + push_sum_weight, sync
+        assert records(metrics[sync], "train")[0]["consensus_bytes"] > 0  # measured apart from bytes_sent
 
 
-def test_crossover_sends_and_receives_one_copy_of_every_segment(tmp_path):
+@pytest.fixture(scope="module")
+def crossover_logs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Fine segments (flat) and groups of 2 (hierarchical), 4 processes, every exchange recorded; one launch."""
     from _workers import crossover_watch
 
-    train(
-        tmp_path, *FAST, "data=synthetic", "sync=crossover", "sync.segments=fine", "trainer.nproc=4",
-        "trainer.max_steps=4", entrypoint=crossover_watch,
-    )  # fmt: skip
-    logs = [json.loads((tmp_path / f"crossover_rank{r}.json").read_text()) for r in range(4)]
+    root = tmp_path_factory.mktemp("crossover")
+    common = [*FAST, "data=synthetic", "sync=crossover", "trainer.nproc=4", "trainer.max_steps=4"]
+    runs = {"fine": [*common, "sync.segments=fine"], "hierarchical": [*common, "sync.group_size=2"]}
+    train_each(root, runs, entrypoint=crossover_watch)
+    return {
+        name: [json.loads((root / name / f"crossover_rank{r}.json").read_text()) for r in range(4)] for name in runs
+    }
+
+
+def test_crossover_sends_and_receives_one_copy_of_every_segment(crossover_logs):
+    logs = crossover_logs["fine"]
     num_segments = logs[0]["segments"]
     assert num_segments == 6  # fine: stem, test_resnet's 4 residual blocks, head
     for rnd in range(4):
@@ -103,14 +111,8 @@ def test_crossover_sends_and_receives_one_copy_of_every_segment(tmp_path):
         assert all(len(senders) == 1 for senders in received_from.values())
 
 
-def test_crossover_hierarchical_keeps_groups_identical(tmp_path):
-    from _workers import crossover_watch
-
-    train(
-        tmp_path, *FAST, "data=synthetic", "sync=crossover", "sync.group_size=2", "trainer.nproc=4",
-        "trainer.max_steps=4", entrypoint=crossover_watch,
-    )  # fmt: skip
-    logs = [json.loads((tmp_path / f"crossover_rank{r}.json").read_text()) for r in range(4)]
+def test_crossover_hierarchical_keeps_groups_identical(crossover_logs):
+    logs = crossover_logs["hierarchical"]
     assert all(all(log["same_in_group"]) for log in logs)
     assert [len(log["rounds"]) for log in logs] == [4, 0, 4, 0]  # only the leaders (0 and 2) gossip
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST, ROOT, records, train
+from conftest import FAST, ROOT, records, train, train_each
 
 from algorithms.relaxed import decide, reference_time
 from algorithms.topology import round_robin
@@ -154,30 +154,32 @@ def test_round_robin_meets_every_pair_once_with_one_pair_per_rank_per_round(n):
     assert len(rounds) == (n - 1 if n % 2 == 0 else n)
 
 
-@pytest.mark.parametrize("measure", ["compute", "link"])
-def test_a_slow_link_is_seen_by_the_link_measure_only(tmp_path, measure):
+def test_a_slow_link_is_seen_by_the_link_measure_only(tmp_path):
     """Rank 2's link is slow, its compute is not: CAC's compute measure keeps it (and everyone waits for it);
-    the link probe finds it, because it is slow with every peer while the others are fast with each other."""
+    the link probe finds it, because it is slow with every peer while the others are fast with each other.
+    Both in one launch: the compute measure first (it evicts no one), then the link measure."""
     from _workers import slow_link_on_rank2
 
-    _, metrics = train(
-        tmp_path, "sync=relaxed", f"sync.measure={measure}", "sync.check_every=3", "sync.link_probe_bytes=65536",
-        *FAST, "trainer.nproc=3", "trainer.max_steps=7", entrypoint=slow_link_on_rank2,
-    )  # fmt: skip
-    checks = [r for r in records(metrics, "event") if r["event"] == "relaxed_check"]
-    assert checks and all(c["measure"] == measure for c in checks)
-    (summary,) = records(metrics, "summary")
-    first = checks[0]["times"]
-    healthy = max(first["0"], first["1"])
-    if measure == "link":
-        assert first["2"] > 0.3 > 3 * healthy  # the probe saw the 0.3 s with every peer of rank 2, with none else
-        (evict,) = _evictions(metrics)
-        assert evict["ranks"] == [2] and evict["measure"] == "link" and evict["step"] == 3
-        assert summary["ranks"] == [0, 1]
-        assert len(checks) == 1  # with two ranks left, the link measure stops checking (it cannot attribute)
-    else:
-        assert first["2"] < 3 * checks[0]["reference"]  # rank 2 computes as fast as the others
-        assert not _evictions(metrics) and summary["ranks"] == [0, 1, 2]
+    common = [
+        "sync=relaxed", "sync.check_every=3", "sync.link_probe_bytes=65536", *FAST, "trainer.nproc=3",
+        "trainer.max_steps=7",
+    ]  # fmt: skip
+    runs = {measure: [*common, f"sync.measure={measure}"] for measure in ("compute", "link")}
+    for measure, metrics in train_each(tmp_path, runs, entrypoint=slow_link_on_rank2).items():
+        checks = [r for r in records(metrics, "event") if r["event"] == "relaxed_check"]
+        assert checks and all(c["measure"] == measure for c in checks)
+        (summary,) = records(metrics, "summary")
+        first = checks[0]["times"]
+        healthy = max(first["0"], first["1"])
+        if measure == "link":
+            assert first["2"] > 0.3 > 3 * healthy  # the probe saw the 0.3 s with every peer of rank 2, with none else
+            (evict,) = _evictions(metrics)
+            assert evict["ranks"] == [2] and evict["measure"] == "link" and evict["step"] == 3
+            assert summary["ranks"] == [0, 1]
+            assert len(checks) == 1  # with two ranks left, the link measure stops checking (it cannot attribute)
+        else:
+            assert first["2"] < 3 * checks[0]["reference"]  # rank 2 computes as fast as the others
+            assert not _evictions(metrics) and summary["ranks"] == [0, 1, 2]
 
 
 def test_membership_agreement_adopts_the_first_proposal_and_a_removed_rank_leaves_with_status_0(capsys):

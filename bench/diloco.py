@@ -1,0 +1,78 @@
+"""DiLoCo's accuracy against allreduce, and its period H beside local SGD's k: ResNet-18 on digits.
+
+    python -m bench.diloco [--nprocs 2,4] [--epochs 10] [--periods 8,16,32,64]
+
+For each world size (same seed, epochs, per-process batch): allreduce; DiLoCo (outer Nesterov SGD, lr 0.7,
+momentum 0.9) at every period H; Streaming DiLoCo (H=32 in 4 fragments, delay 2, int8); and local SGD (plain
+parameter averaging) at k = each H. Reported per run: final and best validation top-1, median samples/s and
+mean bytes sent per step. Target: DiLoCo and Streaming DiLoCo within 1 point of allreduce's final top-1.
+Results: bench/results/diloco.json (a table goes to BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from bench.common import RESULTS, machine, median, run, train_records
+
+
+def summarize(metrics: list[dict]) -> dict:
+    steps = train_records(metrics)
+    summary = next(r for r in metrics if r["kind"] == "summary")
+    return {
+        "top1": summary["top1"],
+        "best_top1": summary["best_top1"],
+        "samples_per_s": median(r["samples_per_s"] for r in steps),
+        "bytes_per_step": sum(r["bytes_sent"] for r in steps) / len(steps),
+        "steps": len(steps),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nprocs", default="2,4", help="comma-separated world sizes")
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--periods", default="8,16,32,64", help="H for DiLoCo and k for local SGD")
+    parser.add_argument("--batch-size", type=int, default=16, help="per process")
+    parser.add_argument("--model", default="resnet18")
+    args = parser.parse_args()
+    periods = [int(h) for h in args.periods.split(",")]
+    streaming = ["sync=diloco", "sync.inner_steps=32", "sync.fragments=4", "sync.delay=2", "sync.quantize=int8"]
+    runs: dict[str, list[str]] = {"allreduce": ["sync=allreduce"]}
+    runs.update({f"DiLoCo H={h}": ["sync=diloco", f"sync.inner_steps={h}"] for h in periods})
+    runs["streaming DiLoCo H=32 P=4 int8"] = streaming
+    runs.update({f"local SGD k={h}": ["sync=localsgd", "sync.begin_step=0", f"sync.k_steps={h}"] for h in periods})
+    results: dict[str, dict[str, dict]] = {}
+    for nproc in (int(n) for n in args.nprocs.split(",")):
+        common = [
+            f"model={args.model}", "data=digits", f"data.batch_size={args.batch_size}", f"trainer.nproc={nproc}",
+            f"trainer.epochs={args.epochs}",
+        ]  # fmt: skip
+        for name, overrides in runs.items():
+            print(f"running: {nproc} processes, {name}", flush=True)
+            results.setdefault(str(nproc), {})[name] = summarize(run([*common, *overrides]))
+    result = {
+        "benchmark": "diloco",
+        "command": (
+            f"python -m bench.diloco --nprocs {args.nprocs} --epochs {args.epochs} --periods {args.periods} "
+            f"--batch-size {args.batch_size} --model {args.model}"
+        ),
+        "machine": machine(),
+        "results": results,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "diloco.json").write_text(json.dumps(result, indent=1) + "\n")
+    for nproc, rows in results.items():
+        base = rows["allreduce"]
+        print(f"\n{nproc} processes:\n")
+        print("| sync | top-1 % (vs allreduce) | best | samples/s | bytes/step |\n|---|---|---|---|---|")
+        for name, r in rows.items():
+            print(
+                f"| {name} | {r['top1']:.2f} ({r['top1'] - base['top1']:+.2f}) | {r['best_top1']:.2f} | "
+                f"{r['samples_per_s']:.0f} | {r['bytes_per_step'] / 1e6:.3f} MB |"
+            )
+
+
+if __name__ == "__main__":
+    main()

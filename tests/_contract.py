@@ -1,0 +1,78 @@
+"""The contract test's cases: every sync option (and its stateful variants), alone and inside every wrapper,
+each run uninterrupted and resumed from a checkpoint, all in one launch. Shared by the tests that read those
+runs (``conftest.contract_runs``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import CONF_DIR, plain_cfg
+from hydra.utils import get_class
+
+from algorithms.base import Wrapper
+
+OPTIONS = sorted(p.stem for p in (CONF_DIR / "sync").glob("*.yaml"))
+WRAPPERS = [o for o in OPTIONS if issubclass(get_class(plain_cfg(f"sync={o}")["sync"]["_target_"]), Wrapper)]
+# Options that make each algorithm's state matter within 2 x 3 steps (an averaging period that straddles the
+# checkpoint, more tensors compressed); a wrapped algorithm takes them under sync.inner.
+STATEFUL = {
+    "localsgd": ["begin_step=1", "k_steps=3"],
+    "adaptive_localsgd": ["begin_step=1", "init_k_steps=3"],
+    "dgc": ["min_compress_numel=1024"],
+    "sgp": ["consensus_every=1"],
+    "crossover": ["consensus_every=1"],
+    "diloco": ["inner_steps=2"],
+    "powersgd": ["start_powerSGD_iter=2"],  # compressing (with error feedback) before the checkpoint
+    # No eviction (a negative threshold), so both runs keep their ranks; every check still agrees a verdict.
+    "relaxed": ["relaxed_sync_threshold=-1", "check_every=1"],
+}
+# Modes beyond an option's defaults with state of their own (rounds in flight across steps, fragments, ...).
+VARIANTS = {
+    "sgp": [["overlap=true", "synch_freq=2"]],
+    "crossover": [["overlap=true"]],
+    "diloco": [["inner_steps=4", "fragments=2", "delay=1", "quantize=int8"], ["quantize=fp16", "alpha=0.5"]],
+}
+ALONE = [(o, []) for o in OPTIONS] + [(o, v) for o, variants in VARIANTS.items() for v in variants]
+CASES = [(None, o, v) for o, v in ALONE] + [(w, o, v) for w in WRAPPERS for o, v in ALONE if o not in WRAPPERS]
+
+
+def _id(case: tuple) -> str:
+    wrapper, option, variant = case
+    keys = "".join(f" sync{'.inner' if wrapper else ''}.{kv}" for kv in variant)
+    return (f"sync={wrapper} sync@sync.inner={option}" if wrapper else f"sync={option}") + keys
+
+
+IDS = [_id(c) for c in CASES]
+# 2 processes x 3 steps per epoch x 2 epochs; the resumed run starts from the checkpoint after epoch 1.
+COMMON = [
+    "model=test_resnet", "data=synthetic", "data.num_samples=96", "data.num_val_samples=32", "data.batch_size=16",
+    "logger=none", "trainer.progress=false", "trainer.nproc=2", "trainer.epochs=2", "trainer.checkpoint_every=1",
+]  # fmt: skip
+RESUME_STEP, LAST_STEP = 3, 6
+
+
+def overrides(case: tuple) -> list[str]:
+    wrapper, option, variant = case
+    if wrapper is None:
+        return [*COMMON, f"sync={option}", *(f"sync.{kv}" for kv in STATEFUL.get(option, []) + variant)]
+    own = [f"sync.{kv}" for kv in STATEFUL.get(wrapper, [])]
+    inner = [f"sync.inner.{kv}" for kv in STATEFUL.get(option, []) + variant]
+    return [*COMMON, f"sync={wrapper}", f"sync@sync.inner={option}", *own, *inner]
+
+
+def run_all(root: Path) -> Path:
+    """Every case run uninterrupted and resumed, in one launch (``_workers.uninterrupted_and_resumed``)."""
+    from _workers import uninterrupted_and_resumed
+
+    from engine.launch import launch
+
+    cases = {f"case{i}": plain_cfg(*overrides(case)) for i, case in enumerate(CASES)}
+    (root / "cases.json").write_text(json.dumps({"cases": cases, "resume_step": RESUME_STEP}))
+    launch(next(iter(cases.values())), str(root), entrypoint=uninterrupted_and_resumed)
+    return root
+
+
+def case_dir(root: Path, case: tuple) -> Path:
+    """Where ``case`` ran: ``full/`` and ``resumed/`` inside."""
+    return root / f"case{CASES.index(case)}"
