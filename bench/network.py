@@ -199,7 +199,7 @@ def links(args: argparse.Namespace, net: EmulatedNetwork, workdir: Path, emit) -
                         "node_tx_bytes": out["node_tx_bytes"], "wall_s": out["wall_s"],
                     },
                     lambda c: f"{c['step_s']:.3f} s/step, {c['samples_per_s']:.0f} samples/s, "
-                    f"{c['bytes_per_step'] / 1e6:.3f} MB/step counted, wire/counted {c['wire_over_counted']:.3f}",
+                    f"{c['bytes_per_step'] / 1e6:.3f} MB/step counted, wire/counted {_ratio(c['wire_over_counted'])}",
                     emit,
                 )
             )  # fmt: skip
@@ -289,9 +289,13 @@ def tables(cells: list[dict[str, Any]], args: argparse.Namespace) -> str:
         row = []
         for k in keys:
             c = by.get((rate, k), {})
-            row.append("failed" if "error" in c else f"{_mb(c['bytes_per_step'])} ({c['wire_over_counted']:.3f})")
+            row.append("failed" if "error" in c else f"{_mb(c['bytes_per_step'])} ({_ratio(c['wire_over_counted'])})")
         out.append(f"| {rate} | " + " | ".join(row) + " |")
     return "\n".join(out) + "\n"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"  # None: nothing counted (sync=none)
 
 
 def _mb(nbytes: float) -> str:
@@ -447,9 +451,11 @@ def main(argv: list[str] | None = None) -> int:
         text += (
             f"\nMatched tier {matched['rate']}: compute {matched['compute_s']:.3f} s/step, dense step "
             f"{matched['dense_step_s']:.3f} s, communication/compute {matched['comm_over_compute']:.2f} "
-            f"(Fleet 1G: {matched['fleet_comm_over_compute']:.2f}); DGC speedup "
-            f"{matched.get('dgc_speedup', float('nan')):.2f}x (Fleet 1G: {matched['fleet_dgc_speedup']:.2f}x)\n"
+            f"(Fleet 1G: {matched['fleet_comm_over_compute']:.2f})"
         )
+        if "dgc_speedup" in matched:
+            text += f"; DGC speedup {matched['dgc_speedup']:.2f}x (Fleet 1G: {matched['fleet_dgc_speedup']:.2f}x)"
+        text += "\n"
     if runs:
         text += "\nStraggler link (" + ", ".join(args.straggler_rates) + "):\n\n"
         text += (

@@ -28,7 +28,7 @@ from algorithms.membership import LeftRun, Membership, host_names
 from data.common import build_data, steps_per_epoch, train_loader, val_loader
 from engine.checkpoint import Checkpointer
 from engine.evaluate import Evaluator
-from engine.metrics import NetdevCounter, Recorder, format_summary, shown
+from engine.metrics import NetdevCounter, NoLogger, Recorder, format_summary, shown
 from engine.optim import LRSchedule, build_optimizer, effective_lr
 from models.factory import build_model, num_trainable_parameters
 
@@ -104,7 +104,8 @@ class Trainer:
         self._reshard_next_epoch = False
         self.build_loaders()
 
-        self.recorder = Recorder(run_dir, cfg, self.sync.name, self.membership, instantiate(cfg["logger"]))
+        logger = instantiate(cfg["logger"]) if not self.done() else NoLogger()  # nothing to train, nothing to log
+        self.recorder = Recorder(run_dir, cfg, self.sync.name, self.membership, logger)
         self.evaluator = Evaluator(self.comm, self.amp.autocast, self.device, self.data.num_classes)
         if not self.done():  # (a run resumed at its end writes nothing more)
             now, hosts = self.epoch + 1, dict(enumerate(self.membership.hosts))
@@ -207,7 +208,6 @@ class Trainer:
             f"relaxsync: already finished: {self.checkpointer.resume_path} is at step {self.step}, "
             f"epoch {self.last_epoch} of {t['epochs']}{top1}; nothing to train"
         )
-        self.recorder.logger.finish(None)
         self.comm.barrier()
         return {"top1": last.get("top1"), "already_finished": True}
 
