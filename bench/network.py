@@ -178,31 +178,36 @@ def record(
 
 # ---- the two scenarios --------------------------------------------------------------------------------------
 def links(args: argparse.Namespace, net: EmulatedNetwork, workdir: Path, emit) -> list[dict[str, Any]]:
-    cells = []
+    cells, runs = [], 0
     steps = args.warmup + args.window
     for rate in args.rates:
         net.shape(rate)
-        for key in args.algorithms:
-            name, overrides = ALGORITHMS[key]
-            job = f"n{args.nodes}-{rate}-{key}"
-            print(f"[{time.strftime('%H:%M:%S')}] {rate:>9}  {name}", flush=True)
-            cell = {"kind": "cell", "rate": rate, "algorithm": key, "name": name, "nodes": args.nodes}
-            run = functools.partial(
-                run_job, net, ["experiment=network", *overrides], steps, job, args.port + len(cells), workdir,
-                args.cell_timeout,
-            )  # fmt: skip
-            cells.append(
-                record(
-                    cell, run,
-                    lambda out: {
-                        **steady_state(out["metrics"], args.warmup, args.window),
-                        "node_tx_bytes": out["node_tx_bytes"], "wall_s": out["wall_s"],
-                    },
-                    lambda c: f"{c['step_s']:.3f} s/step, {c['samples_per_s']:.0f} samples/s, "
-                    f"{c['bytes_per_step'] / 1e6:.3f} MB/step counted, wire/counted {_ratio(c['wire_over_counted'])}",
-                    emit,
-                )
-            )  # fmt: skip
+        tries: dict[str, list[dict[str, Any]]] = {key: [] for key in args.algorithms}
+        for attempt in range(args.repeats):  # rounds in alternating order: no algorithm always runs first
+            for key in args.algorithms if attempt % 2 == 0 else reversed(args.algorithms):
+                name, overrides = ALGORITHMS[key]
+                job = f"n{args.nodes}-{rate}-{key}-{attempt}"
+                print(f"[{time.strftime('%H:%M:%S')}] {rate:>9}  {name}" + _of(attempt, args.repeats), flush=True)
+                cell = {"kind": "cell", "rate": rate, "algorithm": key, "name": name, "nodes": args.nodes}
+                run = functools.partial(
+                    run_job, net, ["experiment=network", *overrides], steps, job, args.port + runs, workdir,
+                    args.cell_timeout,
+                )  # fmt: skip
+                runs += 1
+                tries[key].append(
+                    record(
+                        {**cell, "attempt": attempt} if args.repeats > 1 else cell, run,
+                        lambda out: {
+                            **steady_state(out["metrics"], args.warmup, args.window),
+                            "node_tx_bytes": out["node_tx_bytes"], "wall_s": out["wall_s"],
+                        },
+                        lambda c: f"{c['step_s']:.3f} s/step, {c['samples_per_s']:.0f} samples/s, "
+                        f"{c['bytes_per_step'] / 1e6:.3f} MB/step counted, "
+                        f"wire/counted {_ratio(c['wire_over_counted'])}",
+                        emit,
+                    )
+                )  # fmt: skip
+        cells.extend(median_cell(tries[key]) for key in args.algorithms)
     base = {c["rate"]: c for c in cells if c["algorithm"] == "allreduce" and "error" not in c}
     floor = {c["rate"]: c for c in cells if c["algorithm"] == "none" and "error" not in c}
     for c in cells:
@@ -212,6 +217,19 @@ def links(args: argparse.Namespace, net: EmulatedNetwork, workdir: Path, emit) -
         if "error" not in c and c["rate"] in floor:
             c["x_floor"] = c["step_s"] / floor[c["rate"]]["step_s"]  # 1.0: as fast as computing alone
     return cells
+
+
+def _of(attempt: int, repeats: int) -> str:
+    return f"  ({attempt + 1} of {repeats})" if repeats > 1 else ""
+
+
+def median_cell(tries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell from repeated runs: the run with the median step time, with every run's step time beside it."""
+    good = sorted((c for c in tries if "error" not in c), key=lambda c: c["step_s"])
+    if len(tries) == 1 or not good:
+        return tries[0]
+    cell = {k: v for k, v in good[(len(good) - 1) // 2].items() if k != "attempt"}
+    return {**cell, "step_s_runs": [c["step_s"] for c in good], "failed_runs": len(tries) - len(good)}
 
 
 def straggler(args: argparse.Namespace, workdir: Path, emit) -> list[dict[str, Any]]:
@@ -382,6 +400,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS), help=f"comma-separated: {', '.join(ALGORITHMS)}")
     parser.add_argument("--warmup", type=int, default=4, help="steps left out at the start of each run")
     parser.add_argument("--window", type=int, default=16, help="steady-state steps measured (a multiple of 16)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs per cell, in alternating order; a cell reports the median run"
+    )
     parser.add_argument("--matched", default="100mbit", help="the rate whose row is matched to Fleet's 1G row")
     parser.add_argument("--no-straggler", action="store_true", help="skip the straggler-link scenario")
     parser.add_argument("--straggler-rates", default="1gbit,1gbit,100mbit", help="one link rate per node (3 nodes)")
@@ -399,6 +420,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parse_rate(rate)
         except ValueError as e:
             parser.error(str(e))
+    if args.repeats < 1:
+        parser.error(f"--repeats: {args.repeats}; expected 1 or more")
     unknown = [a for a in args.algorithms if a not in ALGORITHMS]
     if unknown:
         parser.error(f"--algorithms: unknown {', '.join(unknown)}; expected some of {', '.join(ALGORITHMS)}")

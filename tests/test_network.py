@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT, TEST_RESNET_PARAMS, records
 
 from bench import netns
-from bench.network import main, run_job, steady_state
+from bench.network import main, median_cell, parse_args, run_job, steady_state
 
 REASON = netns.unavailable()
 
@@ -36,6 +36,16 @@ def test_rates_and_token_bucket_sizes():
     assert args[args.index("burst") + 1] == str(32 * 1024)
     args = netns.tbf_args(1e9)  # 125 MB/s: 1.1 ms is 137.5 kB
     assert args[args.index("burst") + 1] == str(137_500)
+
+
+def test_repeated_cells_report_the_median_run_and_every_step_time():
+    tries = [{"step_s": s, "attempt": i, "bytes_per_step": 10 * i} for i, s in enumerate([0.50, 0.41, 0.45])]
+    cell = median_cell([*tries, {"error": "timed out", "attempt": 3}])
+    assert cell["step_s"] == 0.45 and cell["bytes_per_step"] == 20  # the median run, whole
+    assert cell["step_s_runs"] == [0.41, 0.45, 0.50] and cell["failed_runs"] == 1 and "attempt" not in cell
+    assert median_cell(tries[:1]) == tries[0]  # one run: the cell as it was
+    with pytest.raises(SystemExit):
+        parse_args(["--repeats", "0"])
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"network emulation unavailable: {REASON}")
