@@ -354,15 +354,27 @@ def plot(cells: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> li
         ("speedup", "speedup over allreduce", "network_speedup.png"),
         ("x_floor", "step time / compute-only step (sync=none)", "network_floor.png"),
     ):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9, 5))
+        palette = plt.get_cmap("tab20").colors
         for alg in args.algorithms:
             pts = sorted(
                 ((parse_rate(c["rate"]) or unlimited_x * 1e6) / 1e6, c[key])
                 for c in cells
                 if c["algorithm"] == alg and key in c
             )
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=ALGORITHMS[alg][0])
+            if pts:  # one colour per algorithm for every run and plot; overlapped variants dashed, the floor black
+                style = (
+                    {"color": "black", "linewidth": 2.5}
+                    if alg == "none"
+                    else {"color": palette[list(ALGORITHMS).index(alg) % 20]}
+                )
+                ax.plot(
+                    *zip(*pts),
+                    marker="o",
+                    linestyle="--" if "overlap" in alg else "-",
+                    label=ALGORITHMS[alg][0],
+                    **style,
+                )
         if key == "speedup" and args.matched == "100mbit":
             xs = [bps / 1e6 for bps in FLEET_DGC_SPEEDUPS]
             ax.plot(
@@ -382,9 +394,9 @@ def plot(cells: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> li
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xlabel("link rate per node, Mbit/s (log)")
         ax.set_ylabel(f"{ylabel} (log)")
-        ax.set_title(f"{ylabel} vs bandwidth, {args.nodes} nodes, ResNet-10-T, batch 32/node")
+        ax.set_title(f"{ylabel} vs bandwidth\n{args.nodes} nodes, ResNet-10-T, batch 32/node", fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         path = out / fname
         fig.savefig(path, dpi=120)
