@@ -3,6 +3,8 @@
     sudo make bench-network
     python -m bench.network [--nodes 2] [--rates unlimited,1gbit,100mbit]
                             [--algorithms none,allreduce,dgc,...] [--warmup 4] [--window 16] [--no-straggler]
+                            [--repeats 1]
+    python -m bench.network --report bench/results      # redraw tables and plots from a run's records
 
 Each "node" is a network namespace with its own shaped link into a switch (``bench/netns.py``). For each link
 rate and each algorithm, one ``torchrun --nnodes N --nproc-per-node 1`` is started in every namespace, all
@@ -13,7 +15,10 @@ Per cell: mean step time over ``--window`` steady-state steps after ``--warmup``
 and DiLoCo periods; a median would hide their averaging steps), samples/s, speedup over allreduce at the same
 rate, the step time over the compute-only floor (``sync=none`` at the same rate: what no exchange can beat),
 bytes sent per step as counted by the Communicator, and bytes the first rank's node actually sent on its
-interface over the same steps (``trainer.netdev``), so the accounting is checked against the wire.
+interface over the same steps (``trainer.netdev``), so the accounting is checked against the wire, and the
+communication left exposed (seconds blocked in communication over compute seconds, within the run: a ratio the
+machine's drift between runs does not move). ``--repeats R`` runs every cell R times, in alternating order, and
+reports its median run.
 
 The straggler-link scenario: 3 nodes, one on a much slower link, allreduce vs relaxed sync measuring compute
 (CAC's measure) vs relaxed sync measuring links (``sync.measure=link``).
@@ -28,6 +33,7 @@ import argparse
 import functools
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -301,6 +307,17 @@ def tables(cells: list[dict[str, Any]], args: argparse.Namespace) -> str:
             c = by.get((rate, k), {})
             row.append("failed" if "error" in c else f"{c.get('x_floor', float('nan')):.2f}")
         out.append(f"| {rate} | " + " | ".join(row) + " |")
+    out.append(
+        "\nCommunication left exposed: seconds per step blocked in communication over compute seconds per step, "
+        f"within each run (0.00 = hidden; immune to the machine's drift between runs), {args.nodes} nodes:\n"
+    )
+    out.append(head)
+    for rate in args.rates:
+        row = []
+        for k in keys:
+            c = by.get((rate, k), {})
+            row.append("failed" if "error" in c else f"{c['comm_s'] / c['compute_s']:.2f}")
+        out.append(f"| {rate} | " + " | ".join(row) + " |")
     out.append(f"\nBytes sent per node per step, counted (wire/counted on the interface), {args.nodes} nodes:\n")
     out.append(head)
     for rate in args.rates:
@@ -423,6 +440,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cell-timeout", type=float, default=600.0, help="seconds before a run counts as failed")
     parser.add_argument("--port", type=int, default=29400, help="first rendezvous port (inside the namespaces)")
     parser.add_argument("--out", default=str(RESULTS), help="results directory")
+    parser.add_argument(
+        "--report", metavar="DIR", help="only redraw DIR's tables and plots from its network.jsonl (no runs, no root)"
+    )
     args = parser.parse_args(argv)
     args.rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
@@ -448,6 +468,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        return rereport(Path(args.report))
     reason = unavailable()
     if reason:
         print(f"bench.network: skipped: {reason}", flush=True)
@@ -481,6 +503,19 @@ def main(argv: list[str] | None = None) -> int:
         total = time.perf_counter() - started
         emit({"kind": "done", "wall_s": total})
 
+    return report(cells, runs, matched, args, meta["machine"], total, out)
+
+
+def report(
+    cells: list[dict[str, Any]],
+    runs: list[dict[str, Any]],
+    matched: dict[str, Any] | None,
+    args: argparse.Namespace,
+    machine_line: str,
+    total: float,
+    out: Path,
+) -> int:
+    """Write network.md and the plots from the results; print the tables."""
     text = tables(cells, args)
     if matched:
         text += (
@@ -512,12 +547,32 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {r['name']} | {r['step_s_before']:.3f} | {r['step_s_after']:.3f} | {seen} | "
                 f"{r['evicted_nodes'] or 'none'} | {r['final_world_size']} |\n"
             )
-    text += f"\n{meta['machine']}; {total / 60:.1f} min in all.\n"
+    text += f"\n{machine_line}; {total / 60:.1f} min in all.\n"
     (out / "network.md").write_text(text)
     pngs = plot(cells, args, out)
     print("\n" + text + "\nplots: " + ", ".join(str(p) for p in pngs), flush=True)
     failed = [c for c in [*cells, *runs] if "error" in c]
     return 1 if failed else 0
+
+
+def rereport(out: Path) -> int:
+    """Tables and plots again from a finished run's records, with that run's own options."""
+    path = out / "network.jsonl"
+    if not path.is_file():
+        print(f"bench.network: --report {out}: no network.jsonl there", flush=True)
+        return 2
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_kind = {r["kind"]: r for r in records}
+    if "cells" not in by_kind:
+        print(f"bench.network: --report {out}: the run did not finish (no cells record)", flush=True)
+        return 2
+    meta = by_kind["meta"]
+    args = parse_args(shlex.split(meta["command"])[3:])
+    runs = [r for r in records if r["kind"] == "straggler"]
+    matched = by_kind.get("matched") or None
+    matched = {k: v for k, v in matched.items() if k != "kind"} if matched and "rate" in matched else None
+    total = by_kind.get("done", {}).get("wall_s", 0.0)
+    return report(by_kind["cells"]["cells"], runs, matched, args, meta["machine"], total, out)
 
 
 if __name__ == "__main__":

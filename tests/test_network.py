@@ -3,6 +3,7 @@ benchmark's behaviour where it cannot run."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -46,6 +47,34 @@ def test_repeated_cells_report_the_median_run_and_every_step_time():
     assert median_cell(tries[:1]) == tries[0]  # one run: the cell as it was
     with pytest.raises(SystemExit):
         parse_args(["--repeats", "0"])
+
+
+def test_report_redraws_tables_and_plots_from_a_finished_runs_records(tmp_path):
+    def cell(alg, step_s, comm_s, nbytes):
+        return {
+            "kind": "cell", "rate": "1gbit", "algorithm": alg, "name": alg, "nodes": 2, "step_s": step_s,
+            "compute_s": 0.4, "comm_s": comm_s, "bytes_per_step": nbytes, "wire_over_counted": 1.01 if nbytes else None,
+            "speedup": 0.6 / step_s, "x_floor": step_s / 0.4,
+        }  # fmt: skip
+
+    cells = [cell("none", 0.4, 0.0, 0.0), cell("allreduce", 0.6, 0.2, 19.7e6), cell("streaming", 0.42, 0.0, 1.5e5)]
+    lines = [
+        {"kind": "meta", "machine": "test machine",
+         "command": "python -m bench.network --rates 1gbit --matched 1gbit --algorithms none,allreduce,streaming"},
+        *cells, {"kind": "matched"}, {"kind": "cells", "cells": cells}, {"kind": "done", "wall_s": 60.0},
+    ]  # fmt: skip
+    (tmp_path / "network.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert main(["--report", str(tmp_path)]) == 0
+    text = (tmp_path / "network.md").read_text()
+    assert "| 1gbit | 1.00 | 1.50 | 1.05 |" in text  # x floor, in the run's own algorithm order
+    assert "| 1gbit | 0.00 | 0.50 | 0.00 |" in text  # exposed communication: comm_s / compute_s
+    assert "test machine; 1.0 min in all." in text
+    assert {p.name for p in tmp_path.glob("*.png")} == {
+        "network_step_time.png",
+        "network_speedup.png",
+        "network_floor.png",
+    }
+    assert main(["--report", str(tmp_path / "missing")]) == 2
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"network emulation unavailable: {REASON}")
