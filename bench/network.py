@@ -286,46 +286,36 @@ def straggler_summary(out: dict[str, Any], check_every: int, node_of: Callable[[
 
 # ---- output -------------------------------------------------------------------------------------------------
 def tables(cells: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    keys = [k for k in args.algorithms]
-    names = [ALGORITHMS[k][0] for k in keys]
+    """The four tables, rates down and algorithms across, each cell written by its own formatter."""
+    names = [ALGORITHMS[k][0] for k in args.algorithms]
     by = {(c["rate"], c["algorithm"]): c for c in cells}
     head = "| link | " + " | ".join(names) + " |\n|---|" + "---|" * len(names)
-    out = [f"Seconds per step (speedup over allreduce at the same rate), {args.nodes} nodes:\n", head]
-    for rate in args.rates:
-        row = []
-        for k in keys:
-            c = by.get((rate, k), {})
-            row.append("failed" if "error" in c else f"{c['step_s']:.3f} ({c.get('speedup', float('nan')):.2f}x)")
-        out.append(f"| {rate} | " + " | ".join(row) + " |")
-    out.append(
-        f"\nStep time over the compute-only floor (sync=none at the same rate; 1.00 = no cost), {args.nodes} nodes:\n"
-    )
-    out.append(head)
-    for rate in args.rates:
-        row = []
-        for k in keys:
-            c = by.get((rate, k), {})
-            row.append("failed" if "error" in c else f"{c.get('x_floor', float('nan')):.2f}")
-        out.append(f"| {rate} | " + " | ".join(row) + " |")
-    out.append(
-        "\nCommunication left exposed: seconds per step blocked in communication over compute seconds per step, "
-        f"within each run (0.00 = hidden; immune to the machine's drift between runs), {args.nodes} nodes:\n"
-    )
-    out.append(head)
-    for rate in args.rates:
-        row = []
-        for k in keys:
-            c = by.get((rate, k), {})
-            row.append("failed" if "error" in c else f"{c['comm_s'] / c['compute_s']:.2f}")
-        out.append(f"| {rate} | " + " | ".join(row) + " |")
-    out.append(f"\nBytes sent per node per step, counted (wire/counted on the interface), {args.nodes} nodes:\n")
-    out.append(head)
-    for rate in args.rates:
-        row = []
-        for k in keys:
-            c = by.get((rate, k), {})
-            row.append("failed" if "error" in c else f"{_mb(c['bytes_per_step'])} ({_ratio(c['wire_over_counted'])})")
-        out.append(f"| {rate} | " + " | ".join(row) + " |")
+    n = f"{args.nodes} nodes"
+    specs: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        (
+            f"Seconds per step (speedup over allreduce at the same rate), {n}",
+            lambda c: f"{c['step_s']:.3f} ({c.get('speedup', float('nan')):.2f}x)",
+        ),
+        (
+            f"Step time over the compute-only floor (sync=none at the same rate; 1.00 = no cost), {n}",
+            lambda c: f"{c.get('x_floor', float('nan')):.2f}",
+        ),
+        (
+            "Communication left exposed: seconds per step blocked in communication over compute seconds per step, "
+            f"within each run (0.00 = hidden; immune to the machine's drift between runs), {n}",
+            lambda c: f"{c['comm_s'] / c['compute_s']:.2f}",
+        ),
+        (
+            f"Bytes sent per node per step, counted (wire/counted on the interface), {n}",
+            lambda c: f"{_mb(c['bytes_per_step'])} ({_ratio(c['wire_over_counted'])})",
+        ),
+    ]
+    out = []
+    for title, fmt in specs:
+        out += [("\n" if out else "") + f"{title}:\n", head]
+        for rate in args.rates:
+            row = ["failed" if "error" in c else fmt(c) for c in (by.get((rate, k), {}) for k in args.algorithms)]
+            out.append(f"| {rate} | " + " | ".join(row) + " |")
     return "\n".join(out) + "\n"
 
 
