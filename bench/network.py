@@ -314,7 +314,8 @@ def tables(cells: list[dict[str, Any]], args: argparse.Namespace) -> str:
     for title, fmt in specs:
         out += [("\n" if out else "") + f"{title}:\n", head]
         for rate in args.rates:
-            row = ["failed" if "error" in c else fmt(c) for c in (by.get((rate, k), {}) for k in args.algorithms)]
+            cs = (by.get((rate, k), {}) for k in args.algorithms)
+            row = ["not run" if not c else "failed" if "error" in c else fmt(c) for c in cs]
             out.append(f"| {rate} | " + " | ".join(row) + " |")
     return "\n".join(out) + "\n"
 

@@ -60,14 +60,14 @@ def test_report_redraws_tables_and_plots_from_a_finished_runs_records(tmp_path):
     cells = [cell("none", 0.4, 0.0, 0.0), cell("allreduce", 0.6, 0.2, 19.7e6), cell("streaming", 0.42, 0.0, 1.5e5)]
     lines = [
         {"kind": "meta", "machine": "test machine",
-         "command": "python -m bench.network --rates 1gbit --matched 1gbit --algorithms none,allreduce,streaming"},
+         "command": "python -m bench.network --rates 1gbit --matched 1gbit --algorithms none,allreduce,streaming,dgc"},
         *cells, {"kind": "matched"}, {"kind": "cells", "cells": cells}, {"kind": "done", "wall_s": 60.0},
     ]  # fmt: skip
     (tmp_path / "network.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert main(["--report", str(tmp_path)]) == 0
     text = (tmp_path / "network.md").read_text()
-    assert "| 1gbit | 1.00 | 1.50 | 1.05 |" in text  # x floor, in the run's own algorithm order
-    assert "| 1gbit | 0.00 | 0.50 | 0.00 |" in text  # exposed communication: comm_s / compute_s
+    assert "| 1gbit | 1.00 | 1.50 | 1.05 | not run |" in text  # x floor, in the run's order; dgc has no record
+    assert "| 1gbit | 0.00 | 0.50 | 0.00 | not run |" in text  # exposed communication: comm_s / compute_s
     assert "test machine; 1.0 min in all." in text
     assert {p.name for p in tmp_path.glob("*.png")} == {
         "network_step_time.png",
