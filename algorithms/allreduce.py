@@ -38,13 +38,19 @@ def counted_allreduce_hook(state: _HookState, bucket: dist.GradBucket) -> torch.
     start = time.perf_counter()
     state.last_ready = start
     nbytes = tensor_bytes(bucket.buffer())
-    fut = default_hooks.allreduce_hook(state.comm.group, bucket)
+    return counted(default_hooks.allreduce_hook(state.comm.group, bucket), state.comm, nbytes, start)
+
+
+def counted(
+    future: torch.futures.Future[torch.Tensor], comm: Communicator, nbytes: int, start: float
+) -> torch.futures.Future[torch.Tensor]:
+    """``future``, recording on completion one allreduce of ``nbytes`` that began at ``start``."""
 
     def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-        state.comm.record_allreduce(nbytes, time.perf_counter() - start)
+        comm.record_allreduce(nbytes, time.perf_counter() - start)
         return f.value()
 
-    return fut.then(done)
+    return future.then(done)
 
 
 class AllReduce(SyncAlgorithm):

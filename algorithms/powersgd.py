@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 # No `from __future__ import annotations` in this file: DDP checks the comm hook's signature at registration.
-from algorithms.allreduce import AllReduce, _HookState
+from algorithms.allreduce import AllReduce, _HookState, counted
 from algorithms.base import SyncContext
 from algorithms.comm import Communicator
 from errors import is_int, is_number, require
@@ -125,7 +125,14 @@ class _PowerHookState(_HookState):
 
 
 def counted_powersgd_hook(state: _PowerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """PyTorch's ``powerSGD_hook``, counted by the Communicator (its allreduces, summed, as one record)."""
+    """PyTorch's ``powerSGD_hook``, counted by the Communicator (its allreduces, summed, as one record).
+
+    A bucket's exchange is finished before the hook returns. PyTorch's hook issues the P and Q allreduces of a
+    bucket from completion callbacks, on whichever thread completes the previous one; with several buckets in
+    flight, one rank could then issue bucket 2's first allreduce before bucket 1's second while its peer does
+    the reverse, a collective mismatch that gloo aborts on. Waiting here keeps
+    every rank's collectives in the same order, at the cost of not overlapping one bucket's exchange with the
+    rest of the backward pass."""
     start = time.perf_counter()
     state.last_ready = start
     psgd, buffer = state.psgd, bucket.buffer()
@@ -133,14 +140,9 @@ def counted_powersgd_hook(state: _PowerHookState, bucket: dist.GradBucket) -> to
     plain = psgd.iter < psgd.start_powerSGD_iter
     before = psgd.total_numel_after_compression
     future = powerSGD_hook(psgd, bucket)
+    future.wait()
     numel = buffer.numel() if plain else psgd.total_numel_after_compression - before
-    nbytes = numel * buffer.element_size()
-
-    def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-        state.comm.record_allreduce(nbytes, time.perf_counter() - start)
-        return f.value()
-
-    return future.then(done)
+    return counted(future, state.comm, numel * buffer.element_size(), start)
 
 
 class PowerSGD(AllReduce):
