@@ -30,6 +30,7 @@ def fail(error: Exception) -> None:
 def main(cfg: DictConfig) -> float | None:
     """Launch local workers; return the final validation top-1 (what sweepers optimize)."""
     from hydra.core.hydra_config import HydraConfig
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from engine.launch import launch
@@ -44,6 +45,12 @@ def main(cfg: DictConfig) -> float | None:
     except ChildFailedError as error:
         print(error.format_msg(), file=sys.stderr)
         sys.exit(1)
+    except SignalException as error:  # the workers checkpointed at an agreed step (engine/stop.py) and exited
+        print(
+            f"relaxsync: stopped by {error.sigval.name}; continue with: trainer.resume=auto trainer.run_dir={run_dir}",
+            file=sys.stderr,
+        )
+        sys.exit(128 + error.sigval)
     return summary["top1"] if summary else None
 
 

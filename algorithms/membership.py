@@ -100,14 +100,27 @@ class Membership:
         return self.rank == self.logging_rank
 
     # ---- agreement -------------------------------------------------------------------------------------------
+    @property
+    def store(self) -> dist.Store:
+        """The c10d store every rank of the run reaches (torchrun's agent holds it)."""
+        if self._store is None:
+            self._store = dist.distributed_c10d._get_default_store()
+        return self._store
+
+    def key(self, name: str) -> str:
+        """A store key of this run (and restart) named ``name``."""
+        return f"{self._prefix}/{name}"
+
     def agree(self, topic: str, proposal: Any) -> Any:
         """Collective over the active ranks, in call order: every rank proposes a JSON-able value and every
         rank gets back the first one written to the store (first writer wins)."""
-        if self._store is None:
-            self._store = dist.distributed_c10d._get_default_store()
         self._agreements += 1
-        key = f"{self._prefix}/{self._agreements}/{topic}"
-        return json.loads(self._store.compare_set(key, "", json.dumps(proposal)))
+        return self.propose(f"{self._agreements}/{topic}", proposal)
+
+    def propose(self, name: str, proposal: Any) -> Any:
+        """Not a collective: write ``proposal`` under ``name`` unless a value is there already; return the
+        value that is (first writer wins). Ranks that call it at different moments still get the same value."""
+        return json.loads(self.store.compare_set(self.key(name), "", json.dumps(proposal)))
 
     def remove(self, ranks: list[int], cause: str, reasons: dict[int, str] | None = None) -> Change | None:
         """Collective over the active ranks: agree on the ranks to remove (each rank proposes ``ranks``), then

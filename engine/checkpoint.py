@@ -59,7 +59,10 @@ class Checkpointer:
     def __init__(self, run_dir: str, rank: int, checkpoint_every: int, resume: str | None):
         self.rank, self.every = rank, checkpoint_every
         self.path = os.path.join(checkpoint_dir(run_dir), LAST)
-        self.resume_path = resolve_resume(resume, run_dir)
+        # A world restarted by the elastic agent (torchrun --max-restarts, trainer.max_restarts) continues from
+        # the newest checkpoint of the run dir, whatever trainer.resume said.
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.resume_path = resolve_resume("auto" if self.restart and resume is None else resume, run_dir)
 
     def due(self, epoch: int, finished_epoch: bool, last: bool, stop: bool) -> bool:
         """After epoch ``epoch`` (from 1): at the end of the run, when stopping early, and every

@@ -118,7 +118,11 @@ def validate(cfg: dict[str, Any]) -> None:
         _check(_is_int(t[key]) and t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1")
     ce = t["checkpoint_every"]
     _check(_is_int(ce) and ce >= 0, "trainer.checkpoint_every", ce, "an integer >= 0 (0: final only)")
+    ces = t["checkpoint_every_steps"]
+    _check(ces is None or (_is_int(ces) and ces >= 1), "trainer.checkpoint_every_steps", ces, "null or an integer >= 1")
     _check(_is_num(t["timeout_s"]) and t["timeout_s"] > 0, "trainer.timeout_s", t["timeout_s"], "seconds > 0")
+    mr = t["max_restarts"]
+    _check(_is_int(mr) and mr >= 0, "trainer.max_restarts", mr, "an integer >= 0")
     resume = t["resume"]
     if resume not in (None, "auto"):
         _check(

@@ -4,6 +4,7 @@ when an external launcher (torchrun, Slurm) already started this process."""
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,18 @@ from typing import Any
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from engine.loop import run_worker
+from engine.stop import stopped_by
+
+
+def local_worker(entrypoint: Callable[..., Any], cfg: dict[str, Any], run_dir: str) -> Any:
+    """A local worker process. After a stop on a signal (checkpoint written, files closed) it exits at once: the
+    agent, shutting down, no longer reads results, and a worker that waited for it would be killed after 30 s."""
+    result = entrypoint(cfg, run_dir)
+    if stopped_by():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return result
 
 
 def under_external_launcher(env: os._Environ | dict = os.environ) -> bool:
@@ -26,8 +39,10 @@ def external_run_dir(env: os._Environ | dict = os.environ) -> str:
 
 def launch(cfg: dict[str, Any], run_dir: str, entrypoint: Callable[..., Any] = run_worker) -> dict[str, Any] | None:
     """Run ``entrypoint(cfg, run_dir)`` in ``trainer.nproc`` local worker processes; return the summary of
-    the logging rank. Raises ``ChildFailedError`` (with the worker's traceback) if any worker fails; the agent
-    then stops the others, so a failure never hangs."""
+    the logging rank. If any worker fails, the agent stops the others (a failure never hangs) and starts them all
+    again, up to ``trainer.max_restarts`` times (each restart resumes from the newest checkpoint); after that it
+    raises ``ChildFailedError`` with the worker's traceback. On SIGTERM the agent passes the signal to the
+    workers, which checkpoint at an agreed step and exit (``engine.stop``), then raises ``SignalException``."""
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -35,10 +50,10 @@ def launch(cfg: dict[str, Any], run_dir: str, entrypoint: Callable[..., Any] = r
         run_id=f"relaxsync-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",  # a free port: concurrent runs do not collide
-        max_restarts=0,
+        max_restarts=cfg["trainer"]["max_restarts"],
         monitor_interval=0.1,
         start_method="spawn",
     )
-    results = elastic_launch(config, entrypoint)(cfg, run_dir)
+    results = elastic_launch(config, local_worker)(entrypoint, cfg, run_dir)
     summaries = [results[r] for r in sorted(results) if results[r] is not None]
     return summaries[0] if summaries else None

@@ -30,6 +30,7 @@ from engine.checkpoint import Checkpointer
 from engine.evaluate import Evaluator
 from engine.metrics import NetdevCounter, NoLogger, Recorder, format_summary, shown
 from engine.optim import LRSchedule, build_optimizer, effective_lr
+from engine.stop import StopRequest
 from models.factory import build_model, num_trainable_parameters
 
 
@@ -38,6 +39,26 @@ def select_device(name: str, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def init_distributed(backend: str, timeout_s: float) -> None:
+    """The default process group. A world restarted by the elastic agent meets in a fresh part of the agent's
+    store: the first attempt's keys are still there, and gloo would try to reach a previous rank's address."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore(f"relaxsync/restart{restart}", agent_store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
 
 
 class Trainer:
@@ -51,10 +72,7 @@ class Trainer:
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.device = select_device(t["device"], int(os.environ.get("LOCAL_RANK", 0)))
         if not dist.is_initialized():
-            dist.init_process_group(
-                backend="nccl" if self.device.type == "cuda" else "gloo",
-                timeout=datetime.timedelta(seconds=t["timeout_s"]),
-            )
+            init_distributed("nccl" if self.device.type == "cuda" else "gloo", t["timeout_s"])
         self.membership = Membership(self.rank, self.world_size, hosts=host_names())
         self.comm = Communicator(self.membership)
 
@@ -86,6 +104,7 @@ class Trainer:
         self.last_eval: dict[str, Any] | None = None
         self.best_eval: dict[str, Any] | None = None
         self.checkpointer = Checkpointer(run_dir, self.rank, t["checkpoint_every"], t["resume"])
+        self.stop = StopRequest(self.membership)
         state = self.checkpointer.load()
         if state is not None:
             self.raw_model.load_state_dict(state["model"])
@@ -111,10 +130,11 @@ class Trainer:
             now, hosts = self.epoch + 1, dict(enumerate(self.membership.hosts))
             self.recorder.event({"event": "world", "world_size": self.world_size, "hosts": hosts}, now, self.step)
             if state is not None:
-                path = self.checkpointer.resume_path
-                self.recorder.event({"event": "resume", "path": path}, now, self.step)
+                path, restart = self.checkpointer.resume_path, self.checkpointer.restart
+                self.recorder.event({"event": "resume", "path": path, "restart": restart}, now, self.step)
+                after = f" after restart {restart}" if restart else ""
                 self.recorder.console(
-                    f"relaxsync: resumed from step {self.step} (epoch {now} of {t['epochs']}) of {path}"
+                    f"relaxsync: resumed{after} from step {self.step} (epoch {now} of {t['epochs']}) of {path}"
                 )
         self.recorder.console(
             f"relaxsync: {self.world_size} x {self.device.type}, model {cfg['model']['name']} "
@@ -184,19 +204,24 @@ class Trainer:
         epochs_this_run = 0
         self.netdev = NetdevCounter(t["netdev"]) if t.get("netdev") else None
         train_start = time.perf_counter()
-        while not self.done():
-            epoch = self.epoch + 1  # the epoch in progress, from 1
-            finished_epoch = self.train_epoch(epoch)
-            if finished_epoch:
-                self.epoch, self.step_in_epoch = epoch, 0
-            epochs_this_run += 1
-            stop = t["max_epochs_per_run"] is not None and epochs_this_run >= t["max_epochs_per_run"]
-            if self.done() or (finished_epoch and epoch % t["eval_every"] == 0):
-                self.evaluate(epoch)
-            if self.checkpointer.due(epoch, finished_epoch, self.done(), stop):
-                self.save_checkpoint(epoch)
-            if stop:
-                break
+        self.stop.arm()
+        try:
+            while not self.done():
+                epoch = self.epoch + 1  # the epoch in progress, from 1
+                finished_epoch = self.train_epoch(epoch)
+                if finished_epoch:
+                    self.epoch, self.step_in_epoch = epoch, 0
+                epochs_this_run += 1
+                signalled = self.stop.step is not None and self.step >= self.stop.step
+                stop = signalled or (t["max_epochs_per_run"] is not None and epochs_this_run >= t["max_epochs_per_run"])
+                if self.done() or (finished_epoch and epoch % t["eval_every"] == 0):
+                    self.evaluate(epoch)
+                if self.checkpointer.due(epoch, finished_epoch, self.done(), stop):
+                    self.save_checkpoint(epoch)
+                if stop:
+                    break
+        finally:
+            self.stop.disarm()
         return self.finish(time.perf_counter() - train_start)
 
     def already_finished(self) -> dict[str, Any]:
@@ -239,13 +264,16 @@ class Trainer:
             # Every rank runs the same number of steps, whatever the length of its own shard.
             batches = itertools.islice(self.train_loader, self.steps_per_epoch - self.step_in_epoch)
             tick = time.perf_counter()
+            every = t["checkpoint_every_steps"]
             for x, y in batches:
                 record = self.train_step(x, y, epoch, tick)
                 bar.update(1)
                 if self.step % t["log_every"] == 0:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['samples_per_s']:.0f}", refresh=False)
-                if self.step >= self.max_steps:
+                if self.step >= self.max_steps or self.stop.due(self.step, record["step_s"]):
                     break
+                if every and self.step % every == 0 and self.step_in_epoch < self.steps_per_epoch:
+                    self.save_checkpoint(epoch)  # (at the end of an epoch, the epoch's own checkpoint follows)
                 tick = time.perf_counter()
         return self.step_in_epoch >= self.steps_per_epoch
 
@@ -388,6 +416,7 @@ class Trainer:
                 "evictions": m.initial_size - m.size,
                 "evicted_ranks": sorted(set(range(m.initial_size)) - set(m.ranks)),
                 "replica_spread": spread,
+                "stopped_by": self.stop.name if self.stop.step is not None and not self.done() else None,
                 "train_s": train_s,
                 "steps_this_run": self.recorder.steps.count,
                 **self.recorder.steps.summary(),

@@ -297,7 +297,9 @@ def save_config(cfg: dict[str, Any], path: str) -> None:
 def format_summary(summary: dict[str, Any], trainer: dict[str, Any], run_dir: str) -> str:
     """The console block that ends a run (``trainer`` is the trainer section of the config)."""
     s, of = summary, f"of {trainer['epochs']}"
-    if not s["finished"]:
+    if s.get("stopped_by"):
+        head = f"stopped by {s['stopped_by']} at step {s['steps']} in epoch {s['epoch']} {of}"
+    elif not s["finished"]:
         head = (
             f"stopped after epoch {s['epoch']} {of} (trainer.max_epochs_per_run={trainer['max_epochs_per_run']}) "
             f"at step {s['steps']}"

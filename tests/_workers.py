@@ -298,3 +298,23 @@ def _slow_link_run(cfg: dict, run_dir: str) -> None:
         trainer.comm.exchange = slow_exchange
     trainer.fit()
     trainer.recorder.close()
+
+
+@record
+def killed_once_at_step_7(cfg: dict, run_dir: str) -> None:
+    """A real run in which rank 1 is killed (SIGKILL, as by the OOM killer) after step 7, in the first attempt only."""
+    import signal
+
+    from engine.loop import Trainer
+
+    trainer = Trainer(cfg, run_dir)
+    if trainer.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        original = trainer.sync.after_optimizer_step
+
+        def kill(result):
+            if result.step == 7:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(result)
+
+        trainer.sync.after_optimizer_step = kill
+    _fit(trainer)

@@ -101,6 +101,8 @@ BAD = [
         "coarse",
         "an integer for test_vit",
     ),
+    (["trainer.checkpoint_every_steps=0"], "trainer.checkpoint_every_steps", "0", "null or an integer >= 1"),
+    (["trainer.max_restarts=-1"], "trainer.max_restarts", "-1", "an integer >= 0"),
     (["straggler=sleep", "straggler.ranks=[5]"], "straggler.ranks", "[5]", "ranks in [0, 1]"),
     (["straggler=sleep", "straggler.slowdown=0.5"], "straggler.slowdown", "0.5", "a factor >= 1"),
 ]

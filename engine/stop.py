@@ -1,0 +1,97 @@
+"""A consistent stop on SIGTERM: every rank finishes the same step, the run checkpoints there, and exits 0.
+
+SIGTERM is what torchrun's agent, Slurm's preemption and ``kill`` send. Ranks receive it at different moments,
+so possibly in different steps, and some may receive none (only one node's agent was told). A step is never
+abandoned half-way: the first rank to see the signal proposes a stop step a little ahead of its own through
+the c10d store (:meth:`Membership.propose`: first writer wins), and a background thread on every rank looks
+for that proposal every :data:`POLL_S` seconds, so a rank without a signal learns of it too. Every rank trains
+up to the agreed step and stops there; the trainer then checkpoints (a collective, as at any checkpoint) and
+the workers exit 0, within the agent's grace period (torchrun's is 30 s before it sends SIGKILL).
+
+The margin covers the time a rank needs to learn of the proposal (two polls) in steps of the current length,
+plus two steps for ranks that run ahead of others (gossip and local SGD do not move in lockstep).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from typing import Any
+
+from algorithms.membership import Membership
+
+POLL_S = 0.2
+_stopped_by: str | None = None  # set in this process once a run stopped on a signal
+
+
+def stopped_by() -> str | None:
+    """The signal on which a run in this process stopped (checkpointed at the agreed step), if one did."""
+    return _stopped_by
+
+
+class StopRequest:
+    """SIGTERM, turned into a step at which every rank stops. Armed while the training loop runs."""
+
+    def __init__(self, membership: Membership, signum: int = signal.SIGTERM):
+        self.membership, self.signum = membership, signum
+        self.signalled = False  # this rank received the signal
+        self.step: int | None = None  # the agreed stop step (optimizer steps completed), once known
+        self._seen: int | None = None  # the step another rank proposed, found by the watcher thread
+        self._previous: Any = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    def arm(self) -> None:
+        """Catch the signal and start watching the store (call from the main thread)."""
+        self._previous = signal.signal(self.signum, self._on_signal)
+        store = self.membership.store.clone()  # its own connection: never queued behind the main thread's
+        self._thread = threading.Thread(target=self._watch, args=(store,), name="relaxsync-stop", daemon=True)
+        self._thread.start()
+
+    def disarm(self) -> None:
+        if self._thread is not None:
+            self._done.set()
+            self._thread.join()
+            self._thread = None
+            signal.signal(self.signum, self._previous)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signalled = True  # acted on at the next step boundary; a second signal changes nothing
+
+    def _watch(self, store: Any) -> None:
+        key = self.membership.key("stop")
+        while not self._done.wait(POLL_S):
+            try:
+                if store.check([key]):
+                    self._seen = int(store.get(key))
+                    return
+            except Exception:  # the store went away (its node died): nothing to learn from it any more
+                return
+
+    def due(self, step: int, step_s: float) -> bool:
+        """At a step boundary, ``step`` steps completed, the last taking ``step_s`` seconds: whether to stop now."""
+        if self.step is None:
+            if self.signalled:
+                margin = 2 + math.ceil(2 * POLL_S / max(step_s, 1e-3))
+                self.step = int(self.membership.propose("stop", step + margin))
+            elif self._seen is not None:
+                self.step = self._seen
+            else:
+                return False
+            if step > self.step:
+                raise RuntimeError(
+                    f"rank {self.membership.rank} is at step {step}, past the agreed stop step {self.step} "
+                    f"({self.name}); the ranks cannot checkpoint the same step"
+                )
+            if self.membership.is_logging_rank:
+                print(f"relaxsync: {self.name}: every rank stops after step {self.step}", flush=True)
+        if step >= self.step:
+            global _stopped_by
+            _stopped_by = self.name
+            return True
+        return False
