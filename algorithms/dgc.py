@@ -195,6 +195,8 @@ class DGC(SyncAlgorithm):
         # every step on CPU); the compressed parameters' grads are views of it.
         self._update = torch.zeros_like(self.v)
         self.u_dense = {i: torch.zeros_like(params[i]) for i in range(len(params))}  # dense-path momentum
+        self._accumulated: int | None = None  # the step whose gradient is in the residuals
+        self._taken: list = []  # (indices, values, momenta) selected from the residuals, until the exchange succeeds
         self.num_params = sum(p.numel() for p in params)
         self.generator = torch.Generator(device=device).manual_seed(1234 + ctx.membership.rank)
 
@@ -220,24 +222,35 @@ class DGC(SyncAlgorithm):
         comm.all_reduce(flat)
         if flat[-1].item() > 0:
             return SyncReport(grads_finite=False, compute_end=compute_end, metrics={"sparsity": sparsity or 0.0})
-        offset = 0
+        # The dense momenta are committed only once every exchange of the step succeeded: a step redone after a
+        # lost peer (trainer.on_failure: continue) must not apply them twice.
+        offset, dense_u = 0, {}
         for i in dense_ids:
             numel = self.params[i].numel()
             g = flat[offset : offset + numel].view_as(self.params[i]).div_(n)
             offset += numel
-            self.u_dense[i].mul_(self.momentum).add_(g)
-            self.params[i].grad = self.u_dense[i].clone()
+            dense_u[i] = self.u_dense[i].mul(self.momentum).add_(g)
+            self.params[i].grad = dense_u[i]  # (_commit copies it into u_dense; the grad stays a tensor of its own)
         dense_bytes = 2 * (n - 1) / n * 4 * self.num_params  # what allreduce of every gradient would send
         if sparsity is None:
+            self._commit(dense_u)
             sent_bytes = 2 * (n - 1) / n * 4 * flat.numel()
             metrics = {"sparsity": 0.0, "density": 1.0, "compress_s": 0.0, "compression": dense_bytes / sent_bytes}
             return SyncReport(compute_end=compute_end, metrics=metrics)
 
         # 2) Compressed tensors: momentum correction, accumulation, selection, sparse allgather.
         start = time.perf_counter()
-        indices, values, k_total, sent = self.accumulate_and_select(grads, sparsity)
+        if self._accumulated != step:  # (a redo of this step finds its gradient already in the residuals)
+            self.accumulate(grads)
+            self._accumulated = step
+        indices, values, k_total, sent = self._compress(sparsity)
         compress_s = time.perf_counter() - start
-        gathered = comm.all_gather(pack(indices, values))  # values and indices in one allgather
+        try:
+            gathered = comm.all_gather(pack(indices, values))  # values and indices in one allgather
+        except Exception:
+            self._restore_selected()  # what was taken out to be sent goes back: nothing of the step is applied
+            raise
+        self._commit(dense_u)
         all_indices, all_values = zip(*(unpack(g, indices.numel(), values.dtype) for g in gathered))
         update = self._update.zero_()  # grads were read above, so backward may have accumulated into these views
         update.index_add_(0, torch.cat(all_indices).long(), torch.cat(all_values).float())
@@ -260,11 +273,29 @@ class DGC(SyncAlgorithm):
         self, grads: list[torch.Tensor], sparsity: float
     ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """Momentum correction and accumulation of the compressed tensors' gradients, then ``_compress``."""
+        self.accumulate(grads)
+        return self._compress(sparsity)
+
+    def accumulate(self, grads: list[torch.Tensor]) -> None:
+        """Momentum correction and accumulation of the compressed tensors' gradients into the residuals."""
         for j, i in enumerate(self.compressed):
             u = self.u[self.offsets[j] : self.offsets[j + 1]]
             torch.add(grads[i].reshape(-1), u, alpha=self.momentum, out=u)  # u = m * u + g, in one pass
         self.v.add_(self.u)
-        return self._compress(sparsity)
+
+    def _commit(self, dense_u: dict[int, torch.Tensor]) -> None:
+        """The step's exchanges all succeeded: keep its dense momenta; nothing is left to put back."""
+        for i, u in dense_u.items():
+            self.u_dense[i].copy_(u)
+        self._taken = []
+
+    def _restore_selected(self) -> None:
+        """Undo ``_compress``: return the selected values to the residual (and the momentum, when masking)."""
+        for chosen, values, momenta in self._taken:
+            self.v[chosen] = values
+            if momenta is not None:
+                self.u[chosen] = momenta
+        self._taken = []
 
     def _grad(self, i: int) -> torch.Tensor:
         """The local gradient with weight decay added (DGC's weight-decay correction: before accumulation), in
@@ -291,14 +322,18 @@ class DGC(SyncAlgorithm):
         first index) so that every rank's allgather has the same size, plus ``sum(k)`` and the number of real
         entries."""
         index_parts, value_parts, k_total, sent = [], [], 0, 0
+        self._taken = []
         for j in range(len(self.compressed)):
             lo, hi = self.offsets[j], self.offsets[j + 1]
             chosen, k = select(self.v[lo:hi], sparsity, self.sample_ratio, self.generator)
             chosen = chosen + lo
             values = self.v[chosen]
             self.v[chosen] = 0.0  # error feedback: what is sent leaves the residual
+            momenta = None
             if self.momentum_masking:
+                momenta = self.u[chosen]
                 self.u[chosen] = 0.0
+            self._taken.append((chosen, values, momenta))  # until the exchange succeeds (_commit)
             pad = k - chosen.numel()
             if pad:
                 chosen = torch.cat([chosen, torch.full((pad,), lo, dtype=chosen.dtype, device=chosen.device)])

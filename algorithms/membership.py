@@ -21,6 +21,7 @@ carries the restart count.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import json
 import os
@@ -68,9 +69,15 @@ class Membership:
     """The set of active global ranks, their process group, and agreement among them."""
 
     def __init__(
-        self, rank: int, world_size: int, group: dist.ProcessGroup | None = None, hosts: list[str] | None = None
+        self,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None = None,
+        hosts: list[str] | None = None,
+        timeout: datetime.timedelta | None = None,
     ):
         self.rank = rank
+        self.timeout = timeout  # of every group formed after a change (None: the default group's)
         self.initial_size = world_size
         self.ranks: list[int] = list(range(world_size))
         self.group = group if group is not None else dist.group.WORLD
@@ -126,7 +133,11 @@ class Membership:
         """Collective over the active ranks: agree on the ranks to remove (each rank proposes ``ranks``), then
         regroup. Returns the change on the survivors (None when the agreed set is empty); on a removed rank it
         prints ``reasons[rank]`` (or ``cause``) and raises :class:`LeftRun`."""
-        agreed = self.agree("remove", {"ranks": sorted(set(ranks)), "cause": cause})
+        return self.adopt(self.agree("remove", {"ranks": sorted(set(ranks)), "cause": cause}), reasons)
+
+    def adopt(self, agreed: dict[str, Any], reasons: dict[int, str] | None = None) -> Change | None:
+        """Carry out an agreed removal (``{"ranks": [...], "cause": ...}``, the same on every rank): the survivors
+        form their new group; a removed rank raises :class:`LeftRun`."""
         removed = [r for r in agreed["ranks"] if r in self.ranks]
         if not removed:
             return None
@@ -137,7 +148,7 @@ class Membership:
             reason = (reasons or {}).get(self.rank, f"removed ({agreed['cause']})")
             print(f"relaxsync: rank {self.rank} {reason}; exiting", flush=True)
             raise LeftRun(self.rank, reason)
-        self.group = dist.new_group(survivors, use_local_synchronization=True)
+        self.group = dist.new_group(survivors, use_local_synchronization=True, timeout=self.timeout)
         self.ranks = survivors
         return Change(self.generation, removed, survivors, agreed["cause"])
 

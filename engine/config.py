@@ -121,6 +121,14 @@ def validate(cfg: dict[str, Any]) -> None:
     ces = t["checkpoint_every_steps"]
     _check(ces is None or (_is_int(ces) and ces >= 1), "trainer.checkpoint_every_steps", ces, "null or an integer >= 1")
     _check(_is_num(t["timeout_s"]) and t["timeout_s"] > 0, "trainer.timeout_s", t["timeout_s"], "seconds > 0")
+    _check(t["on_failure"] in ("abort", "continue"), "trainer.on_failure", t["on_failure"], "abort or continue")
+    hang = t["hang_timeout_s"]
+    _check(
+        _is_num(hang) and 0 < hang < t["timeout_s"],
+        "trainer.hang_timeout_s",
+        hang,
+        f"seconds > 0 and below trainer.timeout_s ({t['timeout_s']})",
+    )
     mr = t["max_restarts"]
     _check(_is_int(mr) and mr >= 0, "trainer.max_restarts", mr, "an integer >= 0")
     resume = t["resume"]

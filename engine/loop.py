@@ -28,6 +28,7 @@ from algorithms.membership import LeftRun, Membership, host_names
 from data.common import build_data, steps_per_epoch, train_loader, val_loader
 from engine.checkpoint import Checkpointer
 from engine.evaluate import Evaluator
+from engine.failures import Failures, is_collective_failure
 from engine.metrics import NetdevCounter, NoLogger, Recorder, format_summary, shown
 from engine.optim import LRSchedule, build_optimizer, effective_lr
 from engine.stop import StopRequest
@@ -73,7 +74,15 @@ class Trainer:
         self.device = select_device(t["device"], int(os.environ.get("LOCAL_RANK", 0)))
         if not dist.is_initialized():
             init_distributed("nccl" if self.device.type == "cuda" else "gloo", t["timeout_s"])
-        self.membership = Membership(self.rank, self.world_size, hosts=host_names())
+        hosts, self.failures = host_names(), None
+        if t["on_failure"] == "continue":
+            # Every training collective gets a deadline: a hung peer makes it fail instead of waiting timeout_s.
+            deadline = datetime.timedelta(seconds=t["hang_timeout_s"])
+            group = dist.new_group(list(range(self.world_size)), timeout=deadline)
+            self.membership = Membership(self.rank, self.world_size, group, hosts, timeout=deadline)
+            self.failures = Failures(self.membership, t["hang_timeout_s"])
+        else:
+            self.membership = Membership(self.rank, self.world_size, hosts=hosts)
         self.comm = Communicator(self.membership)
 
         # Same seed on every rank: identical initial replicas (algorithms without DDP rely on it).
@@ -121,6 +130,8 @@ class Trainer:
         self._generation = self.membership.generation  # the membership change last applied
         self._agreed_at_step: int | None = None  # the step at which sync.before_eval() last ran
         self._reshard_next_epoch = False
+        self._lost: list[dict[str, Any]] = []  # rank_lost events waiting for the next completed step
+        self.lost_ranks: list[int] = []
         self.build_loaders()
 
         logger = instantiate(cfg["logger"]) if not self.done() else NoLogger()  # nothing to train, nothing to log
@@ -205,6 +216,8 @@ class Trainer:
         self.netdev = NetdevCounter(t["netdev"]) if t.get("netdev") else None
         train_start = time.perf_counter()
         self.stop.arm()
+        if self.failures is not None:
+            self.failures.heartbeat.start()
         try:
             while not self.done():
                 epoch = self.epoch + 1  # the epoch in progress, from 1
@@ -283,6 +296,25 @@ class Trainer:
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         if self.cfg["model"].get("channels_last"):
             x = x.contiguous(memory_format=torch.channels_last)
+        # Each phase is redone on the survivors' group if a peer is lost in it (trainer.on_failure: continue).
+        report, result, slept = self._survive(lambda: self._compute(x, y, epoch, data_s), epoch, stepped=False)
+        report += self._survive(lambda: self.sync.after_optimizer_step(result), epoch, stepped=True)
+        counts = self.comm.take()
+        step_s = time.perf_counter() - tick
+        self.straggler.observe(result.compute_s - slept)
+        record = self._train_record(result, counts, report, step_s)
+        self.apply(report, epoch)
+        self.recorder.write(record, self.step)
+        for event in self._lost:  # the first step completed after a loss: how long recovery took
+            event["recovery_s"] = time.time() - event.pop("detected")
+            self.recorder.event(event, epoch, self.step)
+        self._lost.clear()
+        self.step += 1
+        self.step_in_epoch += 1
+        return record
+
+    def _compute(self, x: torch.Tensor, y: torch.Tensor, epoch: int, data_s: float):
+        """The step up to and including the optimizer step: (report, StepResult, seconds slept by the straggler)."""
         self.apply(self.sync.before_step(self.step), epoch)  # before the forward: the group may have changed
         start = time.perf_counter()
         slept = self.straggler.delay(epoch, self.rank, self.world_size)
@@ -295,17 +327,42 @@ class Trainer:
         compute_s = (report.compute_end or backward_end) - start
         lr = self.schedule.apply(self.optimizer, self.epoch + self.step_in_epoch / self.steps_per_epoch)
         stepped = self.amp.step(self.optimizer, report.grads_finite)
-        result = StepResult(self.step, epoch, loss.item(), lr, stepped, data_s, compute_s)
-        report += self.sync.after_optimizer_step(result)
-        counts = self.comm.take()
-        step_s = time.perf_counter() - tick
-        self.straggler.observe(compute_s - slept)
-        record = self._train_record(result, counts, report, step_s)
-        self.apply(report, epoch)
-        self.recorder.write(record, self.step)
-        self.step += 1
-        self.step_in_epoch += 1
-        return record
+        return report, StepResult(self.step, epoch, loss.item(), lr, stepped, data_s, compute_s), slept
+
+    def _survive(self, phase, epoch: int, stepped: bool):
+        """Run ``phase``; if a collective in it fails because a peer is gone, agree with the other survivors on
+        who is gone, regroup, and run it again (``stepped``: the optimizer has already stepped, so only the
+        exchange after it is redone)."""
+        while True:
+            try:
+                return phase()
+            except Exception as error:
+                if self.failures is None or not is_collective_failure(error):
+                    raise
+                detected = time.time()
+                change, event = self.failures.recover(error, self.step, stepped)
+                self._lost.append({**event, "detected": detected, "lost_state_bytes": self._local_state_bytes()})
+                self.lost_ranks += change.removed
+                self.recorder.console(
+                    f"relaxsync: rank(s) {change.removed} {event['cause']} at step {self.step}; "
+                    f"{len(change.ranks)} ranks go on and redo the {event['redo']}"
+                )
+                self.apply(SyncReport(requests=self._shrink_requests()), epoch)
+
+    def _shrink_requests(self) -> list:
+        """After a loss, as after an eviction: the survivors cover the training set from the next epoch on, and
+        the learning rate follows the relaxed-sync policy (``sync.lr_policy`` when set, else linear)."""
+        policy = self.cfg["sync"].get("lr_policy", "linear")
+        requests: list = [RebuildTrainLoader()]
+        if policy != "none":
+            fraction = self.membership.size / self.membership.initial_size
+            requests.append(ScaleLR(fraction if policy == "linear" else fraction**0.5, policy))
+        return requests
+
+    def _local_state_bytes(self) -> int:
+        """Bytes of this rank's own algorithm state (DGC residuals, local momenta): what a lost rank took with it."""
+        state = self.sync.local_state_dict()
+        return sum(v.numel() * v.element_size() for v in _tensors(state))
 
     def _train_record(self, r: StepResult, counts: CommCounts, report: SyncReport, step_s: float) -> dict[str, Any]:
         world = self.membership.size
@@ -413,8 +470,9 @@ class Trainer:
                 "world_size": m.size,
                 "initial_world_size": m.initial_size,
                 "ranks": m.ranks,
-                "evictions": m.initial_size - m.size,
-                "evicted_ranks": sorted(set(range(m.initial_size)) - set(m.ranks)),
+                "evictions": m.initial_size - m.size - len(self.lost_ranks),
+                "evicted_ranks": sorted(set(range(m.initial_size)) - set(m.ranks) - set(self.lost_ranks)),
+                "lost_ranks": sorted(self.lost_ranks),  # died or hung (trainer.on_failure: continue)
                 "replica_spread": spread,
                 "stopped_by": self.stop.name if self.stop.step is not None and not self.done() else None,
                 "train_s": train_s,
@@ -439,9 +497,22 @@ class Trainer:
 
     def close(self, left: bool = False) -> None:
         """Close files; a rank that ``left`` the run never touches a process group again."""
+        if self.failures is not None:
+            self.failures.heartbeat.stop()
         self.recorder.close(left)
         if not left and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _tensors(state: Any):
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from _tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from _tensors(value)
 
 
 @record

@@ -321,7 +321,8 @@ def format_summary(summary: dict[str, Any], trainer: dict[str, Any], run_dir: st
             f"  traffic   {_bytes(s['bytes_per_step'])} sent per rank and step, {_bytes(s['bytes_sent'])} in all"
         )
     evicted = ", ".join(str(r) for r in s["evicted_ranks"]) or "none"
-    lines.append(f"  ranks     {s['world_size']} of {s['initial_world_size']} at the end; evicted: {evicted}")
+    lost = f"; lost: {', '.join(str(r) for r in s['lost_ranks'])}" if s.get("lost_ranks") else ""
+    lines.append(f"  ranks     {s['world_size']} of {s['initial_world_size']} at the end; evicted: {evicted}{lost}")
     lines.append(f"  run dir   {shown(run_dir)}")
     if not s["finished"]:
         lines.append(f"  continue  the same command with: trainer.resume=auto trainer.run_dir={shown(run_dir)}")

@@ -318,3 +318,14 @@ def killed_once_at_step_7(cfg: dict, run_dir: str) -> None:
 
         trainer.sync.after_optimizer_step = kill
     _fit(trainer)
+
+
+@record
+def writes_its_pid(cfg: dict, run_dir: str):
+    """``run_worker``, after writing this process's pid to ``<run_dir>/pid<rank>`` (for tests that signal a worker)."""
+    from engine.loop import run_worker
+
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, f"pid{os.environ['RANK']}"), "w") as f:
+        f.write(str(os.getpid()))
+    return run_worker(cfg, run_dir)

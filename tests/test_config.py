@@ -103,6 +103,8 @@ BAD = [
     ),
     (["trainer.checkpoint_every_steps=0"], "trainer.checkpoint_every_steps", "0", "null or an integer >= 1"),
     (["trainer.max_restarts=-1"], "trainer.max_restarts", "-1", "an integer >= 0"),
+    (["trainer.on_failure=retry"], "trainer.on_failure", "retry", "abort or continue"),
+    (["trainer.hang_timeout_s=3600"], "trainer.hang_timeout_s", "3600", "below trainer.timeout_s (1800)"),
     (["straggler=sleep", "straggler.ranks=[5]"], "straggler.ranks", "[5]", "ranks in [0, 1]"),
     (["straggler=sleep", "straggler.slowdown=0.5"], "straggler.slowdown", "0.5", "a factor >= 1"),
 ]

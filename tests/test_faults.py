@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import FAST, ROOT, load_model_state, records, train
 
@@ -101,3 +102,161 @@ def test_a_killed_worker_restarts_the_world_from_the_last_step_checkpoint(tmp_pa
     checkpoints = [e["step"] for e in records(metrics, "event") if e["event"] == "checkpoint"]
     assert checkpoints[:1] == [5] and 10 in checkpoints and 16 in checkpoints  # every 5 steps, and each epoch's end
     assert_same(parameters(tmp_path / "killed"), parameters(tmp_path / "whole"))
+
+
+# ---- shrink in place (trainer.on_failure: continue) ----------------------------------------------------------------
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+# 3 processes x 16 steps per epoch, 3 epochs; a hung peer is given up after 3 s
+SHRINK = [
+    *FAST, "data.num_samples=1536", "data.num_val_samples=96", "trainer.epochs=3", "trainer.on_failure=continue",
+    "trainer.hang_timeout_s=3",
+]  # fmt: skip
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_nodes(n: int, run_dir: Path, *overrides: str) -> list[subprocess.Popen]:
+    """``n`` torchrun agents on this machine, one worker each, meeting at a c10d rendezvous hosted by the first:
+    a multi-node job in which one "node" can be killed without the others' agents noticing."""
+    port, nodes = free_port(), []
+    environ = dict(env(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for node in range(n):
+        launcher = [
+            TORCHRUN, "--nnodes", str(n), "--nproc-per-node", "1", "--max-restarts", "0",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_dir.name,
+            "--rdzv-conf", f"is_host={int(node == 0)}",
+        ]  # fmt: skip
+        log = open(run_dir.parent / f"{run_dir.name}-node{node}.log", "w")
+        train_py = ["train.py", *overrides, f"trainer.run_dir={run_dir}"]
+        nodes.append(
+            subprocess.Popen(
+                [*launcher, *train_py],
+                cwd=ROOT,
+                env=environ,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+    return nodes
+
+
+def worker_of(node: subprocess.Popen) -> tuple[int, int]:
+    """(pid, global rank) of the one worker a torchrun agent started."""
+    children = subprocess.run(["pgrep", "-P", str(node.pid)], capture_output=True, text=True).stdout.split()
+    for pid in map(int, children):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        if b"RANK" in environ:
+            return pid, int(environ[b"RANK"])
+    raise AssertionError(f"no worker under agent {node.pid}")
+
+
+def finish(nodes: list[subprocess.Popen], run_dir: Path, timeout: float = 240) -> list[dict]:
+    """Wait for the run's summary, then for the surviving workers to exit; returns the metrics. The agents are
+    then stopped: torchrun's own exit barrier waits 300 s for the agent that is gone."""
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and records(read_metrics(str(metrics)), "summary")):
+        assert time.monotonic() < deadline, "no summary:\n" + tail(run_dir)
+        time.sleep(0.2)
+    for node in nodes:
+        while node.poll() is None and subprocess.run(["pgrep", "-P", str(node.pid)], capture_output=True).stdout:
+            assert time.monotonic() < deadline, "a worker did not exit:\n" + tail(run_dir)
+            time.sleep(0.2)
+    for node in nodes:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+    return read_metrics(str(metrics))
+
+
+def tail(run_dir: Path) -> str:
+    return "\n".join(p.read_text()[-2500:] for p in sorted(run_dir.parent.glob(f"{run_dir.name}-node*.log")))
+
+
+def expected_steps(lost: dict) -> int:
+    """3 epochs: 16 steps each with 3 ranks, until the epoch of the loss ends; 24 each (2 ranks cover the whole
+    training set) from the next epoch on."""
+    epoch = lost["failed_step"] // 16 + 1
+    return 16 * epoch + 24 * (3 - epoch)
+
+
+def wait_for_train_steps(run_dir: Path, n: int, timeout: float = 180) -> None:
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
+    while not (metrics.exists() and len(records(read_metrics(str(metrics)), "train")) >= n):
+        assert time.monotonic() < deadline, f"fewer than {n} steps:\n" + tail(run_dir)
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "sync", ["allreduce", pytest.param("dgc", marks=pytest.mark.full), pytest.param("localsgd", marks=pytest.mark.full)]
+)
+def test_a_killed_node_leaves_and_the_others_finish_the_run(tmp_path, sync):
+    """``kill -9`` of one node's agent and worker mid-epoch: the other two agree it died, regroup, redo the step
+    and finish; the summary and the ``rank_lost`` event say what happened, and their replicas agree."""
+    run_dir = tmp_path / "run"
+    extra = {"dgc": ["sync.min_compress_numel=1024", "sync.rampup_begin_step=2"], "localsgd": ["sync.k_steps=4"]}
+    nodes = start_nodes(3, run_dir, *SHRINK, f"sync={sync}", *extra.get(sync, []))
+    wait_for_train_steps(run_dir, 10)
+    victim = next(node for node in nodes if worker_of(node)[1] == 2)
+    worker_pid, _ = worker_of(victim)
+    os.killpg(victim.pid, signal.SIGKILL)  # the agent, and the worker in its own session
+    os.kill(worker_pid, signal.SIGKILL)
+    metrics = finish([n for n in nodes if n is not victim], run_dir)
+    victim.wait()
+
+    (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
+    assert lost["ranks"] == [2] and lost["cause"] == "died" and lost["world_size"] == 2
+    assert lost["failed_step"] >= 10 and lost["recovery_s"] > 0
+    assert lost["redo"] == ("exchange" if sync == "localsgd" else "step")
+    if sync == "dgc":
+        assert lost["lost_state_bytes"] > 0  # its residuals died with it
+    (summary,) = records(metrics, "summary")
+    assert summary["finished"] and summary["steps"] == expected_steps(lost) and summary["world_size"] == 2
+    assert summary["lost_ranks"] == [2] and summary["evicted_ranks"] == [] and summary["evictions"] == 0
+    steps = [r["step"] for r in records(metrics, "train")]
+    assert steps == list(range(summary["steps"]))  # the lost step was redone once, not skipped, not repeated
+    assert [r["world_size"] for r in records(metrics, "train")][-1] == 2
+    assert summary["replica_spread"] == 0.0  # the survivors end with identical parameters
+    events = [e["event"] for e in records(metrics, "event")]
+    assert "loader_rebuilt" in events and "lr_adjusted" in events
+
+
+def test_a_hung_worker_is_given_up_and_exits_cleanly_when_it_wakes(tmp_path):
+    """SIGSTOP of one worker (local launcher, 3 processes): after ``hang_timeout_s`` the others remove it as hung
+    and finish; continued afterwards, it finds itself removed and exits 0 without disturbing them."""
+    from _workers import writes_its_pid
+
+    run_dir = tmp_path / "run"
+    woke: list[float] = []
+
+    def stop_then_continue():
+        wait_for_train_steps(run_dir, 6)
+        pid = int((run_dir / "pid2").read_text())
+        os.kill(pid, signal.SIGSTOP)
+        wait_for_train_steps(run_dir, 20)  # the others went on without it
+        os.kill(pid, signal.SIGCONT)
+        woke.append(time.time())
+
+    import threading
+
+    poke = threading.Thread(target=stop_then_continue, daemon=True)
+    poke.start()
+    _, metrics = train(run_dir, *SHRINK, "trainer.nproc=3", entrypoint=writes_its_pid)  # raises if a worker fails
+    poke.join(timeout=60)
+    assert woke, "the stopped worker was never continued"
+    (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
+    assert lost["ranks"] == [2] and lost["cause"] == "hung" and lost["world_size"] == 2
+    (summary,) = records(metrics, "summary")
+    assert summary["finished"] and summary["lost_ranks"] == [2] and summary["replica_spread"] == 0.0
+    assert summary["steps"] == expected_steps(lost)
+    assert [r["step"] for r in records(metrics, "train")] == list(range(summary["steps"]))
+    log = (run_dir / "train.log").read_text()
+    assert "relaxsync: rank(s) [2] hung at step" in log

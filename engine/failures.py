@@ -1,0 +1,160 @@
+"""Shrink in place (``trainer.on_failure: continue``): when a peer dies or hangs, the survivors agree who is gone,
+form a new group and redo the step they were in, under whatever sync algorithm runs.
+
+Every collective of such a run has a deadline, ``trainer.hang_timeout_s`` (the timeout of the training process
+group), and every rank beats a counter in the c10d store from a background thread (:class:`Heartbeat`). When a
+peer is gone a collective then fails on the survivors in one of two ways: at once, with a closed connection
+(the peer died and its kernel closed its sockets), or after ``hang_timeout_s`` (the peer hangs: stopped by a
+signal, stuck in a file system or a driver). Either way :meth:`Failures.recover` runs on each survivor:
+
+1. it checks in under the membership's generation and waits until every other active rank has either checked
+   in too (it saw the failure as well) or has not beaten for :data:`SILENT_S` seconds by this rank's clock;
+2. it proposes the silent ranks for removal (first writer wins, :meth:`Membership.propose`) and adopts what was
+   agreed: the survivors form a new group; a removed rank that is still alive (a hung one that wakes up) finds
+   the decision already made when its own collective fails, and leaves with status 0 (``LeftRun``) without
+   touching the new group;
+3. every survivor writes where it was (its step, and whether its optimizer had already stepped) and reads the
+   others'. The step in flight is redone on the new group when all were at the same point, which is the case
+   unless the peer died inside the last collective of a step that some survivors finished and some did not;
+   then the run stops with an error instead of applying a step on some ranks and not on others.
+
+The store lives with torchrun's agent on the first node: if that node dies there is nothing to agree through,
+and the survivors stop with the store's error (README, "Stops, failures and restarts").
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import threading
+import time
+from typing import Any
+
+from algorithms.membership import Change, LeftRun, Membership
+
+BEAT_S = 0.2  # heartbeat period
+SILENT_S = 2.0  # a rank that has not beaten for this long (10 beats) is gone
+TIMED_OUT = re.compile(r"timed out", re.IGNORECASE)
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """A collective that failed because a peer went away (gloo/NCCL), as opposed to a bug in this rank."""
+    if isinstance(error, LeftRun) or not isinstance(error, RuntimeError):
+        return False
+    text = str(error)
+    return any(
+        marker in text
+        for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Broken pipe")
+    )
+
+
+class Heartbeat:
+    """A background thread that adds 1 to this rank's beat counter in the store every :data:`BEAT_S` seconds."""
+
+    def __init__(self, membership: Membership):
+        self.membership = membership
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def key(self, rank: int) -> str:
+        return self.membership.key(f"beat/{rank}")
+
+    def start(self) -> None:
+        store = self.membership.store.clone()  # its own connection: never queued behind the main thread's
+        self._thread = threading.Thread(target=self._beat, args=(store,), name="relaxsync-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._done.set()
+            self._thread.join()
+            self._thread = None
+
+    def _beat(self, store: Any) -> None:
+        key = self.key(self.membership.rank)
+        while True:
+            try:
+                store.add(key, 1)
+            except Exception:  # the store is gone: the main thread will find out at its next agreement
+                return
+            if self._done.wait(BEAT_S):
+                return
+
+
+class Failures:
+    """Agreement on who is gone after a failed collective, and on what the survivors redo."""
+
+    def __init__(self, membership: Membership, hang_timeout_s: float):
+        self.membership, self.hang_timeout_s = membership, hang_timeout_s
+        self.heartbeat = Heartbeat(membership)
+
+    def _key(self, generation: int, name: str) -> str:
+        return self.membership.key(f"failure{generation}/{name}")
+
+    def recover(self, error: BaseException, step: int, stepped: bool) -> tuple[Change, dict[str, Any]]:
+        """Collective over the ranks still alive, after ``error`` (a failed collective) at ``step`` (``stepped``:
+        this rank's optimizer had already stepped). Returns the change and the ``rank_lost`` event; raises
+        ``LeftRun`` on a rank that was removed, and ``error`` again when no peer is gone (nothing to recover)."""
+        m, generation = self.membership, self.membership.generation
+        cause = "hung" if TIMED_OUT.search(str(error)) else "died"
+        decision = self._key(generation, "decision")
+        if m.store.check([decision]):  # decided without this rank: it was hung, or it is late
+            agreed = json.loads(m.store.get(decision))
+        else:
+            m.store.set(self._key(generation, f"in/{m.rank}"), "1")
+            gone = self._silent_peers(generation)
+            proposal = {"ranks": gone, "cause": cause, "step": step, "time": time.time()}
+            agreed = m.propose(f"failure{generation}/decision", proposal)
+        if not agreed["ranks"]:
+            raise error
+        what = f"as {agreed['cause']} at step {agreed['step']}"
+        change = m.adopt(agreed, {r: f"was removed from the run {what}" for r in agreed["ranks"]})
+        assert change is not None  # adopt raises on a removed rank, and the agreed ranks were active
+        here = [step, stepped]
+        m.store.set(self._key(generation, f"at/{m.rank}"), json.dumps(here))
+        keys = [self._key(generation, f"at/{r}") for r in change.ranks]
+        m.store.wait(keys, datetime.timedelta(seconds=self.hang_timeout_s))
+        where = {r: json.loads(m.store.get(k)) for r, k in zip(change.ranks, keys)}
+        if any(w != here for w in where.values()):
+            raise RuntimeError(
+                f"after rank(s) {change.removed} {agreed['cause']}, the survivors were at different points of the "
+                f"step in flight ([step, optimizer stepped] by rank: {where}); redoing it on some ranks only would "
+                f"leave the replicas apart, so the run stops here (trainer.max_restarts or resume continue it)"
+            )
+        event = {
+            "event": "rank_lost",
+            "ranks": change.removed,
+            "cause": agreed["cause"],
+            "failed_step": agreed["step"],
+            "failed_at": agreed["time"],  # wall clock when the first survivor proposed the removal
+            "world_size": len(change.ranks),
+            "redo": "exchange" if stepped else "step",
+        }
+        return change, event
+
+    def _silent_peers(self, generation: int) -> list[int]:
+        """Wait until every other active rank has checked in under ``generation`` or been silent for
+        :data:`SILENT_S`; return the silent ones."""
+        m = self.membership
+        others = [r for r in m.ranks if r != m.rank]
+        seen: dict[int, tuple[int, float]] = {}  # rank -> (last beat count read, when it last changed, our clock)
+        start = time.monotonic()
+        while True:
+            now, silent, waiting = time.monotonic(), [], []
+            for r in others:
+                if m.store.check([self._key(generation, f"in/{r}")]):
+                    continue
+                beat_key = self.heartbeat.key(r)
+                beats = int(m.store.get(beat_key)) if m.store.check([beat_key]) else -1
+                if r not in seen or seen[r][0] != beats:
+                    seen[r] = (beats, now)
+                (silent if now - seen[r][1] >= SILENT_S else waiting).append(r)
+            if not waiting:
+                return silent
+            if now - start > self.hang_timeout_s + SILENT_S:
+                raise RuntimeError(
+                    f"rank(s) {waiting} keep beating but never reached the failure in {now - start:.0f} s; "
+                    f"cannot tell whether they are gone"
+                )
+            time.sleep(BEAT_S / 4)
