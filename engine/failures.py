@@ -13,10 +13,11 @@ signal, stuck in a file system or a driver). Either way :meth:`Failures.recover`
    agreed: the survivors form a new group; a removed rank that is still alive (a hung one that wakes up) finds
    the decision already made when its own collective fails, and leaves with status 0 (``LeftRun``) without
    touching the new group;
-3. every survivor writes where it was (its step, and whether its optimizer had already stepped) and reads the
-   others'. The step in flight is redone on the new group when all were at the same point, which is the case
-   unless the peer died inside the last collective of a step that some survivors finished and some did not;
-   then the run stops with an error instead of applying a step on some ranks and not on others.
+3. every survivor writes where it was (its step, and the part of it: the step up to the optimizer, the
+   exchange after it, an evaluation, a checkpoint) and reads the others'. What was in flight is redone on the
+   new group when all were at the same point, which is the case unless the peer died inside the last
+   collective of a part that some survivors finished and some did not; then the run stops with an error
+   instead of applying a step on some ranks and not on others.
 
 The store lives with torchrun's agent on the first node: if that node dies there is nothing to agree through,
 and the survivors stop with the store's error (README, "Stops, failures and restarts").
@@ -30,6 +31,8 @@ import re
 import threading
 import time
 from typing import Any
+
+import torch.distributed as dist
 
 from algorithms.membership import Change, LeftRun, Membership
 
@@ -92,10 +95,21 @@ class Failures:
     def _key(self, generation: int, name: str) -> str:
         return self.membership.key(f"failure{generation}/{name}")
 
-    def recover(self, error: BaseException, step: int, stepped: bool) -> tuple[Change, dict[str, Any]]:
-        """Collective over the ranks still alive, after ``error`` (a failed collective) at ``step`` (``stepped``:
-        this rank's optimizer had already stepped). Returns the change and the ``rank_lost`` event; raises
-        ``LeftRun`` on a rank that was removed, and ``error`` again when no peer is gone (nothing to recover)."""
+    def recover(self, error: BaseException, step: int, phase: str) -> tuple[Change, dict[str, Any]]:
+        """Collective over the ranks still alive, after ``error`` (a failed collective) in ``phase`` of ``step``
+        (what the survivors will redo: ``step``, ``exchange``, ``evaluation``...). Returns the change and the
+        ``rank_lost`` event; raises ``LeftRun`` on a rank that was removed, and ``error`` again when no peer is
+        gone (nothing to recover)."""
+        try:
+            return self._recover(error, step, phase)
+        except dist.DistError as store_error:  # DistNetworkError, DistStoreError: the store is unreachable
+            raise RuntimeError(
+                f"rank {self.membership.rank} lost a peer at step {step} and cannot reach the c10d store to agree "
+                f"with the others ({store_error}); the store lives with torchrun's agent on the first node, which is "
+                f"probably gone too. Continue from the last checkpoint with trainer.resume=auto"
+            ) from error
+
+    def _recover(self, error: BaseException, step: int, phase: str) -> tuple[Change, dict[str, Any]]:
         m, generation = self.membership, self.membership.generation
         cause = "hung" if TIMED_OUT.search(str(error)) else "died"
         decision = self._key(generation, "decision")
@@ -111,7 +125,7 @@ class Failures:
         what = f"as {agreed['cause']} at step {agreed['step']}"
         change = m.adopt(agreed, {r: f"was removed from the run {what}" for r in agreed["ranks"]})
         assert change is not None  # adopt raises on a removed rank, and the agreed ranks were active
-        here = [step, stepped]
+        here = [step, phase]
         m.store.set(self._key(generation, f"at/{m.rank}"), json.dumps(here))
         keys = [self._key(generation, f"at/{r}") for r in change.ranks]
         m.store.wait(keys, datetime.timedelta(seconds=self.hang_timeout_s))
@@ -119,7 +133,7 @@ class Failures:
         if any(w != here for w in where.values()):
             raise RuntimeError(
                 f"after rank(s) {change.removed} {agreed['cause']}, the survivors were at different points of the "
-                f"step in flight ([step, optimizer stepped] by rank: {where}); redoing it on some ranks only would "
+                f"step in flight ([step, part of it] by rank: {where}); redoing it on some ranks only would "
                 f"leave the replicas apart, so the run stops here (trainer.max_restarts or resume continue it)"
             )
         event = {
@@ -129,7 +143,7 @@ class Failures:
             "failed_step": agreed["step"],
             "failed_at": agreed["time"],  # wall clock when the first survivor proposed the removal
             "world_size": len(change.ranks),
-            "redo": "exchange" if stepped else "step",
+            "redo": phase,
         }
         return change, event
 

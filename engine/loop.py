@@ -14,6 +14,7 @@ import itertools
 import os
 import sys
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -228,9 +229,9 @@ class Trainer:
                 signalled = self.stop.step is not None and self.step >= self.stop.step
                 stop = signalled or (t["max_epochs_per_run"] is not None and epochs_this_run >= t["max_epochs_per_run"])
                 if self.done() or (finished_epoch and epoch % t["eval_every"] == 0):
-                    self.evaluate(epoch)
+                    self._survive(partial(self.evaluate, epoch), epoch, "evaluation")
                 if self.checkpointer.due(epoch, finished_epoch, self.done(), stop):
-                    self.save_checkpoint(epoch)
+                    self._survive(partial(self.save_checkpoint, epoch), epoch, "checkpoint")
                 if stop:
                     break
         finally:
@@ -254,7 +255,8 @@ class Trainer:
         from tqdm import tqdm
 
         t = self.cfg["trainer"]
-        self.apply(self.sync.on_epoch_start(epoch), epoch, at_epoch_start=True)  # may change ranks and loaders
+        start = self._survive(partial(self.sync.on_epoch_start, epoch), epoch, "epoch start")
+        self.apply(start, epoch, at_epoch_start=True)  # may change ranks and loaders
         # Per-epoch, per-rank RNG: augmentation and dropout are reproducible on resume from an epoch boundary.
         torch.manual_seed(t["seed"] * 100_003 + epoch * 1_009 + self.rank)
         sampler = self.train_loader.sampler
@@ -286,7 +288,8 @@ class Trainer:
                 if self.step >= self.max_steps or self.stop.due(self.step, record["step_s"]):
                     break
                 if every and self.step % every == 0 and self.step_in_epoch < self.steps_per_epoch:
-                    self.save_checkpoint(epoch)  # (at the end of an epoch, the epoch's own checkpoint follows)
+                    # (at the end of an epoch, the epoch's own checkpoint follows)
+                    self._survive(partial(self.save_checkpoint, epoch), epoch, "checkpoint")
                 tick = time.perf_counter()
         return self.step_in_epoch >= self.steps_per_epoch
 
@@ -297,18 +300,15 @@ class Trainer:
         if self.cfg["model"].get("channels_last"):
             x = x.contiguous(memory_format=torch.channels_last)
         # Each phase is redone on the survivors' group if a peer is lost in it (trainer.on_failure: continue).
-        report, result, slept = self._survive(lambda: self._compute(x, y, epoch, data_s), epoch, stepped=False)
-        report += self._survive(lambda: self.sync.after_optimizer_step(result), epoch, stepped=True)
+        report, result, slept = self._survive(lambda: self._compute(x, y, epoch, data_s), epoch, "step")
+        report += self._survive(lambda: self.sync.after_optimizer_step(result), epoch, "exchange")
         counts = self.comm.take()
         step_s = time.perf_counter() - tick
         self.straggler.observe(result.compute_s - slept)
         record = self._train_record(result, counts, report, step_s)
         self.apply(report, epoch)
         self.recorder.write(record, self.step)
-        for event in self._lost:  # the first step completed after a loss: how long recovery took
-            event["recovery_s"] = time.time() - event.pop("detected")
-            self.recorder.event(event, epoch, self.step)
-        self._lost.clear()
+        self._record_losses(epoch)
         self.step += 1
         self.step_in_epoch += 1
         return record
@@ -329,25 +329,35 @@ class Trainer:
         stepped = self.amp.step(self.optimizer, report.grads_finite)
         return report, StepResult(self.step, epoch, loss.item(), lr, stepped, data_s, compute_s), slept
 
-    def _survive(self, phase, epoch: int, stepped: bool):
-        """Run ``phase``; if a collective in it fails because a peer is gone, agree with the other survivors on
-        who is gone, regroup, and run it again (``stepped``: the optimizer has already stepped, so only the
-        exchange after it is redone)."""
+    def _survive(self, run, epoch: int, phase: str):
+        """``run()``; if a collective in it fails because a peer is gone, agree with the other survivors on who is
+        gone, regroup, and run it again. ``phase`` names what is redone: the ``step`` up to the optimizer, the
+        ``exchange`` after it (the optimizer has stepped), an ``evaluation``, a ``checkpoint``, the ``end``."""
         while True:
             try:
-                return phase()
+                result = run()
+                if phase not in ("step", "exchange"):  # (a step records its losses after its train record)
+                    self._record_losses(epoch)
+                return result
             except Exception as error:
                 if self.failures is None or not is_collective_failure(error):
                     raise
                 detected = time.time()
-                change, event = self.failures.recover(error, self.step, stepped)
+                change, event = self.failures.recover(error, self.step, phase)
                 self._lost.append({**event, "detected": detected, "lost_state_bytes": self._local_state_bytes()})
                 self.lost_ranks += change.removed
                 self.recorder.console(
                     f"relaxsync: rank(s) {change.removed} {event['cause']} at step {self.step}; "
-                    f"{len(change.ranks)} ranks go on and redo the {event['redo']}"
+                    f"{len(change.ranks)} ranks go on and redo the {phase}"
                 )
                 self.apply(SyncReport(requests=self._shrink_requests()), epoch)
+
+    def _record_losses(self, epoch: int) -> None:
+        """Write the ``rank_lost`` events of losses recovered from, now that what was in flight is done again."""
+        for event in self._lost:
+            event["recovery_s"] = time.time() - event.pop("detected")  # from the failure to this completion
+            self.recorder.event(event, epoch, self.step)
+        self._lost.clear()
 
     def _shrink_requests(self) -> list:
         """After a loss, as after an eviction: the survivors cover the training set from the next epoch on, and
@@ -457,7 +467,7 @@ class Trainer:
         """End of this invocation: the summary record and the console block (logging rank), then a barrier."""
         self.sync.drain()
         self.sync.finalize()
-        spread = self.evaluator.replica_spread(self.raw_model)
+        spread = self._survive(lambda: self.evaluator.replica_spread(self.raw_model), self.last_epoch, "end")
         summary = None
         if self.membership.is_logging_rank:
             m, totals, last, best = self.membership, self.comm.totals, self.last_eval or {}, self.best_eval or {}
@@ -492,7 +502,7 @@ class Trainer:
             self.recorder.console(format_summary(summary, self.cfg["trainer"], self.run_dir))
         # Every rank waits for the logging rank to finish logging before any of them closes its connections:
         # gloo can abort a process whose peer disappears while it still works.
-        self.comm.barrier()
+        self._survive(self.comm.barrier, self.last_epoch, "end")
         return summary
 
     def close(self, left: bool = False) -> None:

@@ -329,3 +329,27 @@ def writes_its_pid(cfg: dict, run_dir: str):
     with open(os.path.join(run_dir, f"pid{os.environ['RANK']}"), "w") as f:
         f.write(str(os.getpid()))
     return run_worker(cfg, run_dir)
+
+
+@record
+def rank2_stops_in_first_evaluation(cfg: dict, run_dir: str) -> None:
+    """A real run whose rank 2 stops itself (SIGSTOP, as a hang) as the first evaluation begins, after writing
+    its pid to ``<run_dir>/pid2`` for the test to continue it."""
+    import signal
+
+    from engine.loop import Trainer
+
+    trainer = Trainer(cfg, run_dir)
+    if trainer.rank == 2:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "pid2"), "w") as f:
+            f.write(str(os.getpid()))
+        original = trainer.evaluate
+
+        def hang_then_evaluate(epoch):
+            if epoch == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return original(epoch)
+
+        trainer.evaluate = hang_then_evaluate
+    _fit(trainer)

@@ -184,7 +184,7 @@ def tail(run_dir: Path) -> str:
 def expected_steps(lost: dict) -> int:
     """3 epochs: 16 steps each with 3 ranks, until the epoch of the loss ends; 24 each (2 ranks cover the whole
     training set) from the next epoch on."""
-    epoch = lost["failed_step"] // 16 + 1
+    epoch = lost["epoch"]  # the epoch in which the loss was recovered from
     return 16 * epoch + 24 * (3 - epoch)
 
 
@@ -215,7 +215,8 @@ def test_a_killed_node_leaves_and_the_others_finish_the_run(tmp_path, sync):
     (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
     assert lost["ranks"] == [2] and lost["cause"] == "died" and lost["world_size"] == 2
     assert lost["failed_step"] >= 10 and lost["recovery_s"] > 0
-    assert lost["redo"] == ("exchange" if sync == "localsgd" else "step")
+    # what was in flight: local SGD communicates only in its exchange (and at evaluations and checkpoints)
+    assert lost["redo"] in {"exchange" if sync == "localsgd" else "step", "evaluation", "checkpoint"}
     if sync == "dgc":
         assert lost["lost_state_bytes"] > 0  # its residuals died with it
     (summary,) = records(metrics, "summary")
@@ -229,10 +230,14 @@ def test_a_killed_node_leaves_and_the_others_finish_the_run(tmp_path, sync):
     assert "loader_rebuilt" in events and "lr_adjusted" in events
 
 
-def test_a_hung_worker_is_given_up_and_exits_cleanly_when_it_wakes(tmp_path):
-    """SIGSTOP of one worker (local launcher, 3 processes): after ``hang_timeout_s`` the others remove it as hung
-    and finish; continued afterwards, it finds itself removed and exits 0 without disturbing them."""
-    from _workers import writes_its_pid
+@pytest.mark.parametrize("where", ["step", "evaluation"])
+def test_a_hung_worker_is_given_up_and_exits_cleanly_when_it_wakes(tmp_path, where):
+    """SIGSTOP of one worker (local launcher, 3 processes) in a step, or as the first evaluation begins: after
+    ``hang_timeout_s`` the others remove it as hung, redo what was in flight and finish; continued afterwards, it
+    finds itself removed and exits 0 without disturbing them."""
+    import threading
+
+    from _workers import rank2_stops_in_first_evaluation, writes_its_pid
 
     run_dir = tmp_path / "run"
     woke: list[float] = []
@@ -240,23 +245,42 @@ def test_a_hung_worker_is_given_up_and_exits_cleanly_when_it_wakes(tmp_path):
     def stop_then_continue():
         wait_for_train_steps(run_dir, 6)
         pid = int((run_dir / "pid2").read_text())
-        os.kill(pid, signal.SIGSTOP)
-        wait_for_train_steps(run_dir, 20)  # the others went on without it
+        if where == "step":
+            os.kill(pid, signal.SIGSTOP)
+        wait_for_train_steps(run_dir, 24)  # the others went on without it
         os.kill(pid, signal.SIGCONT)
         woke.append(time.time())
 
-    import threading
-
     poke = threading.Thread(target=stop_then_continue, daemon=True)
     poke.start()
-    _, metrics = train(run_dir, *SHRINK, "trainer.nproc=3", entrypoint=writes_its_pid)  # raises if a worker fails
+    entry = writes_its_pid if where == "step" else rank2_stops_in_first_evaluation
+    _, metrics = train(run_dir, *SHRINK, "trainer.nproc=3", entrypoint=entry)  # raises if a worker fails
     poke.join(timeout=60)
     assert woke, "the stopped worker was never continued"
     (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
-    assert lost["ranks"] == [2] and lost["cause"] == "hung" and lost["world_size"] == 2
+    assert lost["ranks"] == [2] and lost["cause"] == "hung" and lost["world_size"] == 2 and lost["redo"] == where
     (summary,) = records(metrics, "summary")
     assert summary["finished"] and summary["lost_ranks"] == [2] and summary["replica_spread"] == 0.0
     assert summary["steps"] == expected_steps(lost)
     assert [r["step"] for r in records(metrics, "train")] == list(range(summary["steps"]))
+    evals = records(metrics, "eval")
+    assert [e["epoch"] for e in evals] == [1, 2, 3] and all(e["num_samples"] == 96 for e in evals)
     log = (run_dir / "train.log").read_text()
-    assert "relaxsync: rank(s) [2] hung at step" in log
+    assert f"relaxsync: rank(s) [2] hung at step {lost['failed_step']}; 2 ranks go on and redo the {where}" in log
+
+
+def test_when_the_store_host_dies_the_others_exit_with_a_clear_error(tmp_path):
+    """The c10d store lives with the first node's agent: without it there is nothing to agree through, so the
+    survivors exit non-zero at once, saying so, instead of hanging."""
+    run_dir = tmp_path / "run"
+    nodes = start_nodes(3, run_dir, *SHRINK)
+    wait_for_train_steps(run_dir, 6)
+    host = nodes[0]  # is_host=1
+    worker_pid, _ = worker_of(host)
+    os.killpg(host.pid, signal.SIGKILL)
+    os.kill(worker_pid, signal.SIGKILL)
+    codes = [node.wait(timeout=120) for node in nodes[1:]]
+    host.wait()
+    assert all(code != 0 for code in codes)
+    logs = [p.read_text() for p in sorted(tmp_path.glob("run-node*.log"))[1:]]
+    assert all("cannot reach the c10d store to agree with the others" in log for log in logs), tail(run_dir)
