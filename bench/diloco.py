@@ -1,12 +1,17 @@
 """DiLoCo's accuracy against allreduce, and its period H beside local SGD's k: ResNet-18 on digits.
 
-    python -m bench.diloco [--nprocs 2,4] [--epochs 10] [--periods 8,16,32,64]
+    python -m bench.diloco [--nprocs 2,4] [--epochs 10,20] [--periods 8,16,32,64] [--out diloco.json]
 
-For each world size (same seed, epochs, per-process batch): allreduce; DiLoCo (outer Nesterov SGD, lr 0.7,
-momentum 0.9) at every period H; Streaming DiLoCo (H=32 in 4 fragments, delay 2, int8); and local SGD (plain
-parameter averaging) at k = each H. Reported per run: final and best validation top-1, median samples/s and
-mean bytes sent per step. Target: DiLoCo and Streaming DiLoCo within 1 point of allreduce's final top-1.
-Results: bench/results/diloco.json (a table goes to BENCHMARKS.md).
+For each world size (same seed, epochs and per-process batch for every algorithm): allreduce; DiLoCo (outer
+Nesterov SGD, lr 0.7, momentum 0.9) at every period H; Streaming DiLoCo (H=32 in 4 fragments, delay 2, int8);
+and local SGD (plain parameter averaging) at k = each H. Reported per run: final and best validation top-1,
+median samples/s and mean bytes sent per step.
+Target: DiLoCo and Streaming DiLoCo within 1 point of allreduce's final top-1.
+
+The default epochs, 10 at 2 processes and 20 at 4, give both world sizes the same 440 optimizer steps: DiLoCo's
+period H is counted in steps, so at 4 processes and 10 epochs a run would have only 7 outer steps at H=32, too
+few for the outer momentum to matter (bench/results/diloco.json records that run: streaming DiLoCo 3 points
+behind). Results: bench/results/<out> (a table goes to BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -32,11 +37,18 @@ def summarize(metrics: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nprocs", default="2,4", help="comma-separated world sizes")
-    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--epochs", default="10,20", help="per world size (one value: the same for all)")
     parser.add_argument("--periods", default="8,16,32,64", help="H for DiLoCo and k for local SGD")
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
     parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--out", default="diloco.json", help="file name under bench/results")
     args = parser.parse_args()
+    nprocs = [int(n) for n in args.nprocs.split(",")]
+    epochs = [int(e) for e in args.epochs.split(",")]
+    if len(epochs) == 1:
+        epochs *= len(nprocs)
+    if len(epochs) != len(nprocs):
+        parser.error(f"--epochs {args.epochs}: one value, or one per world size of --nprocs {args.nprocs}")
     periods = [int(h) for h in args.periods.split(",")]
     streaming = ["sync=diloco", "sync.inner_steps=32", "sync.fragments=4", "sync.delay=2", "sync.quantize=int8"]
     runs: dict[str, list[str]] = {"allreduce": ["sync=allreduce"]}
@@ -44,10 +56,10 @@ def main() -> None:
     runs["streaming DiLoCo H=32 P=4 int8"] = streaming
     runs.update({f"local SGD k={h}": ["sync=localsgd", "sync.begin_step=0", f"sync.k_steps={h}"] for h in periods})
     results: dict[str, dict[str, dict]] = {}
-    for nproc in (int(n) for n in args.nprocs.split(",")):
+    for nproc, nepochs in zip(nprocs, epochs):
         common = [
             f"model={args.model}", "data=digits", f"data.batch_size={args.batch_size}", f"trainer.nproc={nproc}",
-            f"trainer.epochs={args.epochs}",
+            f"trainer.epochs={nepochs}",
         ]  # fmt: skip
         for name, overrides in runs.items():
             print(f"running: {nproc} processes, {name}", flush=True)
@@ -56,16 +68,17 @@ def main() -> None:
         "benchmark": "diloco",
         "command": (
             f"python -m bench.diloco --nprocs {args.nprocs} --epochs {args.epochs} --periods {args.periods} "
-            f"--batch-size {args.batch_size} --model {args.model}"
+            f"--batch-size {args.batch_size} --model {args.model} --out {args.out}"
         ),
+        "epochs": dict(zip(map(str, nprocs), epochs)),
         "machine": machine(),
         "results": results,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "diloco.json").write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / args.out).write_text(json.dumps(result, indent=1) + "\n")
     for nproc, rows in results.items():
         base = rows["allreduce"]
-        print(f"\n{nproc} processes:\n")
+        print(f"\n{nproc} processes, {result['epochs'][nproc]} epochs:\n")
         print("| sync | top-1 % (vs allreduce) | best | samples/s | bytes/step |\n|---|---|---|---|---|")
         for name, r in rows.items():
             print(

@@ -344,7 +344,7 @@ class Trainer:
                     raise
                 detected = time.time()
                 change, event = self.failures.recover(error, self.step, phase)
-                self._lost.append({**event, "detected": detected, "lost_state_bytes": self._local_state_bytes()})
+                self._lost.append({**event, "detected_at": detected, "lost_state_bytes": self._local_state_bytes()})
                 self.lost_ranks += change.removed
                 self.recorder.console(
                     f"relaxsync: rank(s) {change.removed} {event['cause']} at step {self.step}; "
@@ -355,7 +355,7 @@ class Trainer:
     def _record_losses(self, epoch: int) -> None:
         """Write the ``rank_lost`` events of losses recovered from, now that what was in flight is done again."""
         for event in self._lost:
-            event["recovery_s"] = time.time() - event.pop("detected")  # from the failure to this completion
+            event["recovery_s"] = time.time() - event["detected_at"]  # from the failure to this completion
             self.recorder.event(event, epoch, self.step)
         self._lost.clear()
 

@@ -89,18 +89,18 @@ def test_a_killed_worker_restarts_the_world_from_the_last_step_checkpoint(tmp_pa
     from the checkpoint of step 5 and end with the parameters of an undisturbed run checkpointed at the same steps."""
     from _workers import killed_once_at_step_7
 
-    every = ["trainer.checkpoint_every_steps=5", "trainer.max_restarts=1"]
+    every = ["data.num_samples=512", "trainer.checkpoint_every_steps=5", "trainer.max_restarts=1"]  # 8 steps/epoch
     train(tmp_path / "whole", *COMMON, *every)
     _, metrics = train(tmp_path / "killed", *COMMON, *every, entrypoint=killed_once_at_step_7)
     (summary,) = records(metrics, "summary")
-    assert summary["finished"] and summary["steps"] == 32
+    assert summary["finished"] and summary["steps"] == 16
     (resume,) = [e for e in records(metrics, "event") if e["event"] == "resume"]
     assert resume["restart"] == 1 and resume["step"] == 5
     steps = [r["step"] for r in records(metrics, "train")]
     assert steps[: steps.index(5, 6)] == list(range(steps.index(5, 6)))  # the first attempt, cut off after step 5
-    assert steps[steps.index(5, 6) :] == list(range(5, 32))  # the restart redoes the steps after the checkpoint
+    assert steps[steps.index(5, 6) :] == list(range(5, 16))  # the restart redoes the steps after the checkpoint
     checkpoints = [e["step"] for e in records(metrics, "event") if e["event"] == "checkpoint"]
-    assert checkpoints[:1] == [5] and 10 in checkpoints and 16 in checkpoints  # every 5 steps, and each epoch's end
+    assert checkpoints[:1] == [5] and 8 in checkpoints and 10 in checkpoints  # every 5 steps, and each epoch's end
     assert_same(parameters(tmp_path / "killed"), parameters(tmp_path / "whole"))
 
 
@@ -230,7 +230,7 @@ def test_a_killed_node_leaves_and_the_others_finish_the_run(tmp_path, sync):
     assert "loader_rebuilt" in events and "lr_adjusted" in events
 
 
-@pytest.mark.parametrize("where", ["step", "evaluation"])
+@pytest.mark.parametrize("where", ["step", pytest.param("evaluation", marks=pytest.mark.full)])
 def test_a_hung_worker_is_given_up_and_exits_cleanly_when_it_wakes(tmp_path, where):
     """SIGSTOP of one worker (local launcher, 3 processes) in a step, or as the first evaluation begins: after
     ``hang_timeout_s`` the others remove it as hung, redo what was in flight and finish; continued afterwards, it
@@ -269,6 +269,7 @@ def test_a_hung_worker_is_given_up_and_exits_cleanly_when_it_wakes(tmp_path, whe
     assert f"relaxsync: rank(s) [2] hung at step {lost['failed_step']}; 2 ranks go on and redo the {where}" in log
 
 
+@pytest.mark.full
 def test_when_the_store_host_dies_the_others_exit_with_a_clear_error(tmp_path):
     """The c10d store lives with the first node's agent: without it there is nothing to agree through, so the
     survivors exit non-zero at once, saying so, instead of hanging."""
