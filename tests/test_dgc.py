@@ -56,6 +56,23 @@ def test_sent_plus_residual_equals_accumulated_velocity(sparsity):
         assert torch.equal(dgc.u[~chosen], u_before[~chosen])
 
 
+def test_a_failed_exchange_puts_back_what_was_selected():
+    """A step redone after a lost peer must not lose what the failed attempt took out of the residuals."""
+    torch.manual_seed(0)
+    dgc = _dgc_on(timm.create_model("test_resnet", num_classes=10), sparsity=[0.99])
+    dgc.u.copy_(torch.randn_like(dgc.u))
+    dgc.v.copy_(torch.randn_like(dgc.v))
+    u, v = dgc.u.clone(), dgc.v.clone()
+    dgc._compress(0.99)
+    assert not torch.equal(dgc.v, v) and not torch.equal(dgc.u, u)  # selected entries were cleared
+    dgc._restore_selected()
+    assert torch.equal(dgc.v, v) and torch.equal(dgc.u, u)
+    dgc._compress(0.99)
+    dgc._commit({})  # the exchange succeeded: nothing is put back any more
+    dgc._restore_selected()
+    assert not torch.equal(dgc.v, v)
+
+
 def test_select_takes_the_largest_magnitudes():
     torch.manual_seed(0)
     v = torch.randn(100_000)

@@ -200,7 +200,9 @@ def wait_for_train_steps(run_dir: Path, n: int, timeout: float = 180) -> None:
 )
 def test_a_killed_node_leaves_and_the_others_finish_the_run(tmp_path, sync):
     """``kill -9`` of one node's agent and worker mid-epoch: the other two agree it died, regroup, redo the step
-    and finish; the summary and the ``rank_lost`` event say what happened, and their replicas agree."""
+    and finish; the summary and the ``rank_lost`` event say what happened, and their replicas agree. (dgc and
+    localsgd run in ``make test-full``; in ``make test`` the allreduce case covers the same recovery, and DGC's
+    put-back of a failed exchange has a unit test in test_dgc.py.)"""
     run_dir = tmp_path / "run"
     extra = {"dgc": ["sync.min_compress_numel=1024", "sync.rampup_begin_step=2"], "localsgd": ["sync.k_steps=4"]}
     nodes = start_nodes(3, run_dir, *SHRINK, f"sync={sync}", *extra.get(sync, []))
@@ -234,7 +236,8 @@ def test_a_killed_node_leaves_and_the_others_finish_the_run(tmp_path, sync):
 def test_a_hung_worker_is_given_up_and_exits_cleanly_when_it_wakes(tmp_path, where):
     """SIGSTOP of one worker (local launcher, 3 processes) in a step, or as the first evaluation begins: after
     ``hang_timeout_s`` the others remove it as hung, redo what was in flight and finish; continued afterwards, it
-    finds itself removed and exits 0 without disturbing them."""
+    finds itself removed and exits 0 without disturbing them. (The evaluation case runs in ``make test-full``; the
+    step case covers the same recovery in ``make test``.)"""
     import threading
 
     from _workers import rank2_stops_in_first_evaluation, writes_its_pid
@@ -272,7 +275,8 @@ def test_a_hung_worker_is_given_up_and_exits_cleanly_when_it_wakes(tmp_path, whe
 @pytest.mark.full
 def test_when_the_store_host_dies_the_others_exit_with_a_clear_error(tmp_path):
     """The c10d store lives with the first node's agent: without it there is nothing to agree through, so the
-    survivors exit non-zero at once, saying so, instead of hanging."""
+    survivors exit non-zero at once, saying so, instead of hanging. (``make test-full``; ``make test`` reaches the
+    store's agreement path in the killed-node test.)"""
     run_dir = tmp_path / "run"
     nodes = start_nodes(3, run_dir, *SHRINK)
     wait_for_train_steps(run_dir, 6)
