@@ -26,6 +26,8 @@ import itertools
 import json
 import os
 import socket
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,5 +154,38 @@ class Membership:
         self.ranks = survivors
         return Change(self.generation, removed, survivors, agreed["cause"])
 
+    def every(self, period_s: float, tick: Callable[[Any], bool], name: str) -> StoreLoop:
+        """A background thread (not started) calling ``tick(store)`` every ``period_s`` on a store connection of
+        its own, so that it never waits behind the main thread's blocking store calls."""
+        return StoreLoop(self.store.clone(), period_s, tick, name)
+
     def __repr__(self) -> str:
         return f"Membership(rank={self.rank}, ranks={self.ranks}, initial_size={self.initial_size})"
+
+
+class StoreLoop:
+    """A daemon thread that calls ``tick(store)`` every ``period_s`` seconds (first at once) until ``tick`` returns
+    True, the store becomes unreachable (its node died: nothing more to learn from it or tell it), or ``stop()``."""
+
+    def __init__(self, store: Any, period_s: float, tick: Callable[[Any], bool], name: str):
+        self.store, self.period_s, self.tick = store, period_s, tick
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> StoreLoop:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            try:
+                if self.tick(self.store):
+                    return
+            except Exception:
+                return
+            self._done.wait(self.period_s)

@@ -28,13 +28,12 @@ from __future__ import annotations
 import datetime
 import json
 import re
-import threading
 import time
 from typing import Any
 
 import torch.distributed as dist
 
-from algorithms.membership import Change, LeftRun, Membership
+from algorithms.membership import Change, LeftRun, Membership, StoreLoop
 
 BEAT_S = 0.2  # heartbeat period
 SILENT_S = 2.0  # a rank that has not beaten for this long (10 beats) is gone
@@ -57,32 +56,24 @@ class Heartbeat:
 
     def __init__(self, membership: Membership):
         self.membership = membership
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop: StoreLoop | None = None
 
     def key(self, rank: int) -> str:
         return self.membership.key(f"beat/{rank}")
 
     def start(self) -> None:
-        store = self.membership.store.clone()  # its own connection: never queued behind the main thread's
-        self._thread = threading.Thread(target=self._beat, args=(store,), name="relaxsync-heartbeat", daemon=True)
-        self._thread.start()
+        own = self.key(self.membership.rank)
+
+        def beat(store: Any) -> bool:
+            store.add(own, 1)
+            return False  # beat until stopped
+
+        self._loop = self.membership.every(BEAT_S, beat, "relaxsync-heartbeat").start()
 
     def stop(self) -> None:
-        if self._thread is not None:
-            self._done.set()
-            self._thread.join()
-            self._thread = None
-
-    def _beat(self, store: Any) -> None:
-        key = self.key(self.membership.rank)
-        while True:
-            try:
-                store.add(key, 1)
-            except Exception:  # the store is gone: the main thread will find out at its next agreement
-                return
-            if self._done.wait(BEAT_S):
-                return
+        if self._loop is not None:
+            self._loop.stop()
+            self._loop = None
 
 
 class Failures:

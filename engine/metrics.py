@@ -12,6 +12,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from typing import Any
 
 from errors import ConfigError, require
@@ -101,7 +102,7 @@ def wandb_keys(record: dict[str, Any], lists: bool = False) -> dict[str, Any]:
     for key, value in record.items():
         number = isinstance(value, (int, float, bool))
         numbers = lists and isinstance(value, list) and all(isinstance(v, (int, float)) for v in value)
-        if key == "kind" or not (number or numbers):
+        if key in ("kind", "time") or not (number or numbers):  # (W&B stamps its own time)
             continue
         prefix = "comm" if kind == "train" and key in COMM_KEYS else kind
         out[f"{prefix}/{key}"] = value
@@ -214,6 +215,7 @@ class Recorder:
             self.steps.add(record)
         if self.writer is None:
             return
+        record.setdefault("time", time.time())  # wall clock (seconds since the epoch), for time-to-X measures
         self.writer.write(record)
         if record["kind"] != "summary":
             self.logger.log(record, step=step)

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import math
 import signal
-import threading
 from typing import Any
 
-from algorithms.membership import Membership
+from algorithms.membership import Membership, StoreLoop
 
 POLL_S = 0.2
 _stopped_by: str | None = None  # set in this process once a run stopped on a signal
@@ -39,8 +38,7 @@ class StopRequest:
         self.step: int | None = None  # the agreed stop step (optimizer steps completed), once known
         self._seen: int | None = None  # the step another rank proposed, found by the watcher thread
         self._previous: Any = None
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._watcher: StoreLoop | None = None
 
     @property
     def name(self) -> str:
@@ -49,29 +47,24 @@ class StopRequest:
     def arm(self) -> None:
         """Catch the signal and start watching the store (call from the main thread)."""
         self._previous = signal.signal(self.signum, self._on_signal)
-        store = self.membership.store.clone()  # its own connection: never queued behind the main thread's
-        self._thread = threading.Thread(target=self._watch, args=(store,), name="relaxsync-stop", daemon=True)
-        self._thread.start()
+        self._watcher = self.membership.every(POLL_S, self._look, "relaxsync-stop").start()
 
     def disarm(self) -> None:
-        if self._thread is not None:
-            self._done.set()
-            self._thread.join()
-            self._thread = None
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
             signal.signal(self.signum, self._previous)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signalled = True  # acted on at the next step boundary; a second signal changes nothing
 
-    def _watch(self, store: Any) -> None:
+    def _look(self, store: Any) -> bool:
+        """In the watcher thread: has another rank proposed a stop step?"""
         key = self.membership.key("stop")
-        while not self._done.wait(POLL_S):
-            try:
-                if store.check([key]):
-                    self._seen = int(store.get(key))
-                    return
-            except Exception:  # the store went away (its node died): nothing to learn from it any more
-                return
+        if store.check([key]):
+            self._seen = int(store.get(key))
+            return True
+        return False
 
     def due(self, step: int, step_s: float) -> bool:
         """At a step boundary, ``step`` steps completed, the last taking ``step_s`` seconds: whether to stop now."""

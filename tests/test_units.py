@@ -109,7 +109,7 @@ def test_resolve_resume(tmp_path):
 def test_wandb_key_names_follow_the_metrics_contract():
     rec = {"kind": "train", "step": 3, "loss": 1.5, "bytes_sent": 8.0, "comm_s": 0.1, "tag": "x"}
     assert wandb_keys(rec) == {"train/step": 3, "train/loss": 1.5, "comm/bytes_sent": 8.0, "comm/comm_s": 0.1}
-    assert wandb_keys({"kind": "eval", "top1": 50.0}) == {"eval/top1": 50.0}
+    assert wandb_keys({"kind": "eval", "top1": 50.0, "time": 1.7e9}) == {"eval/top1": 50.0}  # W&B has its own
 
 
 def _tiny():
