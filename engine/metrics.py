@@ -215,8 +215,9 @@ class Recorder:
             self.steps.add(record)
         if self.writer is None:
             return
-        record.setdefault("time", time.time())  # wall clock (seconds since the epoch), for time-to-X measures
-        self.writer.write(record)
+        # The wall clock (seconds since the epoch), for time-to-X measures; in the file only (the record itself
+        # may be kept, e.g. the last evaluation in the checkpoint, and must not depend on when it was written).
+        self.writer.write({**record, "time": record.get("time", time.time())})
         if record["kind"] != "summary":
             self.logger.log(record, step=step)
 

@@ -202,6 +202,7 @@ def test_worker_exception_cli_shows_traceback_and_exits_nonzero(tmp_path):
     assert "data.batch_size=4096: larger than a rank's shard" in result.stderr
 
 
+@pytest.mark.full  # make test: the multirun test (Hydra sweeps) and hparams_search=optuna composing (test_config)
 def test_optuna_sweep_receives_final_top1(tmp_path):
     """train.py returns the final validation top-1; the Optuna sweeper records it as the trial value."""
     result = run_cli(
