@@ -332,11 +332,13 @@ class Trainer:
     def _survive(self, run, epoch: int, phase: str):
         """``run()``; if a collective in it fails because a peer is gone, agree with the other survivors on who is
         gone, regroup, and run it again. ``phase`` names what is redone: the ``step`` up to the optimizer, the
-        ``exchange`` after it (the optimizer has stepped), an ``evaluation``, a ``checkpoint``, the ``end``."""
+        ``exchange`` after it (the optimizer has stepped), an ``evaluation``, a ``checkpoint``, the ``end`` (the
+        replicas' spread), the ``exit`` barrier (after the summary: a loss there is not recorded)."""
         while True:
             try:
                 result = run()
-                if phase not in ("step", "exchange"):  # (a step records its losses after its train record)
+                # (a step records its losses after its train record; after the summary nothing is recorded)
+                if phase not in ("step", "exchange", "exit"):
                     self._record_losses(epoch)
                 return result
             except Exception as error:
@@ -502,7 +504,7 @@ class Trainer:
             self.recorder.console(format_summary(summary, self.cfg["trainer"], self.run_dir))
         # Every rank waits for the logging rank to finish logging before any of them closes its connections:
         # gloo can abort a process whose peer disappears while it still works.
-        self._survive(self.comm.barrier, self.last_epoch, "end")
+        self._survive(self.comm.barrier, self.last_epoch, "exit")
         return summary
 
     def close(self, left: bool = False) -> None:
