@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from algorithms.membership import Change, LeftRun, Membership, StoreLoop
+from algorithms.membership import Change, Membership, StoreLoop
 
 BEAT_S = 0.2  # heartbeat period
 SILENT_S = 2.0  # a rank that has not beaten for this long (10 beats) is gone
@@ -42,13 +42,11 @@ TIMED_OUT = re.compile(r"timed out", re.IGNORECASE)
 
 def is_collective_failure(error: BaseException) -> bool:
     """A collective that failed because a peer went away (gloo/NCCL), as opposed to a bug in this rank."""
-    if isinstance(error, LeftRun) or not isinstance(error, RuntimeError):
+    if not isinstance(error, RuntimeError):  # (LeftRun, a SystemExit, never is one)
         return False
     text = str(error)
-    return any(
-        marker in text
-        for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Broken pipe")
-    )
+    closed = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    return TIMED_OUT.search(text) is not None or any(marker in text for marker in closed)
 
 
 class Heartbeat:

@@ -226,8 +226,9 @@ class Trainer:
                 if finished_epoch:
                     self.epoch, self.step_in_epoch = epoch, 0
                 epochs_this_run += 1
-                signalled = self.stop.step is not None and self.step >= self.stop.step
-                stop = signalled or (t["max_epochs_per_run"] is not None and epochs_this_run >= t["max_epochs_per_run"])
+                stop = self.stop.reached(self.step) or (
+                    t["max_epochs_per_run"] is not None and epochs_this_run >= t["max_epochs_per_run"]
+                )
                 if self.done() or (finished_epoch and epoch % t["eval_every"] == 0):
                     self._survive(partial(self.evaluate, epoch), epoch, "evaluation")
                 if self.checkpointer.due(epoch, finished_epoch, self.done(), stop):
@@ -486,7 +487,7 @@ class Trainer:
                 "evicted_ranks": sorted(set(range(m.initial_size)) - set(m.ranks) - set(self.lost_ranks)),
                 "lost_ranks": sorted(self.lost_ranks),  # died or hung (trainer.on_failure: continue)
                 "replica_spread": spread,
-                "stopped_by": self.stop.name if self.stop.step is not None and not self.done() else None,
+                "stopped_by": self.stop.name if self.stop.reached(self.step) and not self.done() else None,
                 "train_s": train_s,
                 "steps_this_run": self.recorder.steps.count,
                 **self.recorder.steps.summary(),

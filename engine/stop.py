@@ -83,8 +83,12 @@ class StopRequest:
                 )
             if self.membership.is_logging_rank:
                 print(f"relaxsync: {self.name}: every rank stops after step {self.step}", flush=True)
-        if step >= self.step:
+        if self.reached(step):
             global _stopped_by
             _stopped_by = self.name
             return True
         return False
+
+    def reached(self, step: int) -> bool:
+        """Whether a stop step is agreed and ``step`` (steps completed) has reached it."""
+        return self.step is not None and step >= self.step
