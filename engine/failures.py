@@ -50,23 +50,47 @@ def is_collective_failure(error: BaseException) -> bool:
 
 
 class Heartbeat:
-    """A background thread that adds 1 to this rank's beat counter in the store every :data:`BEAT_S` seconds."""
+    """A background thread that adds 1 to this rank's beat counter in the store every :data:`BEAT_S` seconds and,
+    in the same tick, reads the other ranks' counters (one ``multi_get``): when a collective fails, how long each
+    peer has already been silent is known by this rank's clock, so a peer that hung long before is recognised at
+    once instead of after watching it for another :data:`SILENT_S`."""
 
     def __init__(self, membership: Membership):
         self.membership = membership
         self._loop: StoreLoop | None = None
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it last changed: time.monotonic)
 
     def key(self, rank: int) -> str:
         return self.membership.key(f"beat/{rank}")
+
+    def seen(self) -> dict[int, tuple[int, float]]:
+        """Each peer's last beat count read by the thread, and when it was last seen to change."""
+        return dict(self._seen)
 
     def start(self) -> None:
         own = self.key(self.membership.rank)
 
         def beat(store: Any) -> bool:
             store.add(own, 1)
+            try:
+                self._watch(store)
+            except Exception:  # a failed read must not stop the beats that tell the others this rank is alive
+                pass
             return False  # beat until stopped
 
         self._loop = self.membership.every(BEAT_S, beat, "relaxsync-heartbeat").start()
+
+    def _watch(self, store: Any) -> None:
+        m = self.membership
+        peers = [r for r in list(m.ranks) if r != m.rank]
+        keys = [self.key(r) for r in peers]
+        if not keys or not store.check(keys):  # (a peer's first beat may not be there yet)
+            return
+        now = time.monotonic()
+        for r, value in zip(peers, store.multi_get(keys)):
+            beats = int(value)
+            if self._seen.get(r, (None, 0.0))[0] != beats:
+                self._seen[r] = (beats, now)
 
     def stop(self) -> None:
         if self._loop is not None:
@@ -141,7 +165,8 @@ class Failures:
         :data:`SILENT_S`; return the silent ones."""
         m = self.membership
         others = [r for r in m.ranks if r != m.rank]
-        seen: dict[int, tuple[int, float]] = {}  # rank -> (last beat count read, when it last changed, our clock)
+        # rank -> (last beat count read, when it last changed by our clock): from the heartbeat thread's reads
+        seen = self.heartbeat.seen()
         start = time.monotonic()
         while True:
             now, silent, waiting = time.monotonic(), [], []

@@ -290,3 +290,47 @@ def test_when_the_store_host_dies_the_others_exit_with_a_clear_error(tmp_path):
     assert all(code != 0 for code in codes)
     logs = [p.read_text() for p in sorted(tmp_path.glob("run-node*.log"))[1:]]
     assert all("cannot reach the c10d store to agree with the others" in log for log in logs), tail(run_dir)
+
+
+def test_a_peer_silent_before_the_failure_is_recognised_without_watching_it_again(monkeypatch):
+    """The heartbeat thread keeps each peer's last beat change: when a collective times out, a peer that stopped
+    beating long before is known to be gone at once; a peer that beats is not (rank 0 of 3, peers 1 and 2 played by
+    threads on one store)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from algorithms.membership import Membership
+    from engine import failures as failures_module
+    from engine.failures import BEAT_S, SILENT_S, Failures
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    membership = Membership(0, 3)
+    membership._store = store
+    failures = Failures(membership, hang_timeout_s=5)
+    store.add(failures.heartbeat.key(2), 1)  # rank 2 beat once, then hung
+    done = threading.Event()
+
+    def rank1_beats() -> None:
+        while not done.is_set():
+            store.add(failures.heartbeat.key(1), 1)
+            done.wait(BEAT_S)
+
+    beating = threading.Thread(target=rank1_beats, daemon=True)
+    beating.start()
+    failures.heartbeat.start()
+    try:
+        time.sleep(SILENT_S + 1)  # rank 2 silent for longer than SILENT_S while the heartbeat thread watched
+        seen = failures.heartbeat.seen()
+        assert time.monotonic() - seen[2][1] >= SILENT_S and time.monotonic() - seen[1][1] < SILENT_S
+        store.set(failures._key(0, "in/1"), "1")  # rank 1 saw the failure too
+
+        def no_waiting(seconds: float) -> None:
+            raise AssertionError("waited to watch a peer that was known to be silent")
+
+        monkeypatch.setattr(failures_module.time, "sleep", no_waiting)
+        assert failures._silent_peers(0) == [2]
+    finally:
+        done.set()
+        failures.heartbeat.stop()
+        beating.join()
