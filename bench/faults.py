@@ -3,6 +3,7 @@ SIGTERM stop, beside torchrun's own recovery (restart every worker from the last
 
     sudo make bench-faults
     python -m bench.faults [--rate 1gbit] [--algorithms allreduce,dgc,localsgd] [--at-step 20] [--hang-timeout 10]
+                           [--scenarios died,hung,sigterm,rejoin,torchrun]
 
 Three namespaces of ``bench/netns.py`` on links of ``--rate``, one ``torchrun --nproc-per-node 1`` each (as
 ``bench/network`` starts them), training ``experiment=network`` (ResNet-10-T on digits at 76 px, 15 steps per
@@ -11,6 +12,8 @@ epoch with 3 nodes) for 3 epochs. Once the run has completed ``--at-step`` steps
 - ``died/<sync>``: ``trainer.on_failure=continue``; ``kill -9`` of node 2's torchrun and of its worker.
 - ``hung``: ``trainer.on_failure=continue``; SIGSTOP of node 2's worker, SIGCONT once the others went 10 steps on.
 - ``sigterm``: SIGTERM to every node's torchrun (a preemption); then the same command with ``trainer.resume=auto``.
+- ``rejoin``: ``torchrun --nnodes 2:3`` on two nodes; after ``--at-step`` steps the third starts with the same
+  command and joins through torchrun's scale-up (the others stop at an agreed step and the world restarts at 3).
 - ``torchrun``: today's default, ``trainer.on_failure=abort`` under ``torchrun --nnodes 2:3 --max-restarts 1``
   with a checkpoint every epoch: ``kill -9`` of node 2; the agents restart the other two workers, which resume
   from the last checkpoint.
@@ -42,33 +45,49 @@ from engine.metrics import read_metrics
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 NODES = 3
 EPOCHS = 3
+SCENARIOS = ("died", "hung", "sigterm", "rejoin", "torchrun")
 
 
 class Job:
     """One training run across the emulated nodes: a torchrun per node, logs and metrics in ``run_dir``."""
 
     def __init__(
-        self, net: EmulatedNetwork, run_dir: Path, port: int, overrides: list[str], nnodes: str, restarts: int
+        self,
+        net: EmulatedNetwork,
+        run_dir: Path,
+        port: int,
+        overrides: list[str],
+        nnodes: str,
+        restarts: int,
+        nodes: int | None = None,
+        environ: dict[str, str] | None = None,
     ):
-        self.net, self.run_dir, self.procs = net, run_dir, []
+        """Start torchrun on the first ``nodes`` nodes (all by default); :meth:`start` starts another later."""
+        self.net, self.run_dir, self.port, self.procs = net, run_dir, port, []
+        self.nnodes, self.restarts = nnodes, restarts
         run_dir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
         env.update(GLOO_SOCKET_IFNAME=IFACE, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1")
-        train = [
+        self.env = {**env, **(environ or {})}
+        self.train = [
             "train.py", "experiment=network", "logger=none", "trainer.progress=false", f"trainer.epochs={EPOCHS}",
             "trainer.eval_every=1", f"trainer.run_dir={run_dir}", *overrides,
         ]  # fmt: skip
-        for node in range(net.nodes):
-            launcher = [
-                TORCHRUN, "--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", str(restarts),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{net.address(0)}:{port}", "--rdzv-id", run_dir.name,
-                "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", net.address(node),
-                "--monitor-interval", "0.5",
-            ]  # fmt: skip
-            log = open(run_dir / f"node{node}.log", "a")
-            self.procs.append(
-                net.popen(node, [*launcher, *train], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-            )
+        for node in range(net.nodes if nodes is None else nodes):
+            self.start(node)
+
+    def start(self, node: int) -> None:
+        """Node ``node``'s torchrun (the first hosts the rendezvous)."""
+        launcher = [
+            TORCHRUN, "--nnodes", self.nnodes, "--nproc-per-node", "1", "--max-restarts", str(self.restarts),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.net.address(0)}:{self.port}",
+            "--rdzv-id", self.run_dir.name, "--rdzv-conf", f"is_host={int(node == 0)},last_call_timeout=1",
+            "--local-addr", self.net.address(node), "--monitor-interval", "0.5",
+        ]  # fmt: skip
+        log = open(self.run_dir / f"node{node}.log", "a")
+        self.procs.append(
+            self.net.popen(node, [*launcher, *self.train], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        )
 
     def metrics(self) -> list[dict[str, Any]]:
         path = self.run_dir / "metrics.jsonl"
@@ -178,6 +197,36 @@ def hung(net: EmulatedNetwork, args: argparse.Namespace, workdir: Path, port: in
         job.stop()
 
 
+def rejoin(net: EmulatedNetwork, args: argparse.Namespace, workdir: Path, port: int) -> dict[str, Any]:
+    """Two nodes under ``--nnodes 2:3``, then the third started with the same command: its agents stop the world
+    (SIGTERM), which checkpoints at an agreed step and restarts one larger from there."""
+    environ = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # (README: torch's shared store breaks a later join)
+    job = Job(net, workdir / "rejoin", port, [], f"{NODES - 1}:{NODES}", 0, nodes=NODES - 1, environ=environ)
+    try:
+        job.wait_steps(args.at_step)
+        started = time.time()
+        job.start(NODES - 1)
+        job.wait_for(lambda: (job.summary() or {}).get("finished"), 600, "the grown world's end")
+        metrics = job.metrics()
+        train = [r for r in metrics if r["kind"] == "train"]
+        before = [r for r in train if r["world_size"] == NODES - 1]
+        after = [r for r in train if r["world_size"] == NODES]
+        resume = next(r for r in metrics if r["kind"] == "event" and r["event"] == "resume")
+        steps = [r["step"] for r in train]
+        return {
+            "scenario": "rejoin",
+            "recovery_s": after[0]["time"] - started,  # from the third node's start to its first step
+            "paused_s": after[0]["time"] - before[-1]["time"],  # no step completed in between
+            "stopped_at_step": resume["step"],
+            "lost_steps": len(steps) - len(set(steps)),
+            "steps_in_order": steps == list(range(len(steps))),
+            "world_sizes": [resume["world_size_before"], job.summary()["world_size"]],
+            "finished": True,
+        }
+    finally:
+        job.stop()
+
+
 def sigterm(net: EmulatedNetwork, args: argparse.Namespace, workdir: Path, port: int) -> dict[str, Any]:
     run_dir = workdir / "sigterm"
     job = Job(net, run_dir, port, [], str(NODES), 0)
@@ -256,7 +305,10 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         if "error" in r:
             lines.append(f"| {r['scenario']} | failed: {r['error'].splitlines()[0][:100]} |||||||")
             continue
-        redo = r.get("redo") or ("stop at an agreed step" if r["scenario"] == "sigterm" else "from the checkpoint")
+        redo = r.get("redo") or {
+            "sigterm": "stop at an agreed step",
+            "rejoin": f"stop at an agreed step, restart at {r.get('world_sizes', ['?', '?'])[1]} nodes",
+        }.get(r["scenario"], "from the checkpoint")
         lines.append(
             f"| {r['scenario']} | {num(r.get('visible_s'))} | {num(r.get('recovery_s'))} | {r['lost_steps']} | "
             f"{num(r.get('lost_s'))} | {redo} | {'yes' if r['finished'] else 'no'} | "
@@ -271,24 +323,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algorithms", default="allreduce,dgc,localsgd", help="sync options of the died scenario")
     parser.add_argument("--at-step", type=int, default=20, help="the failure comes after this many steps")
     parser.add_argument("--hang-timeout", type=float, default=10.0, help="trainer.hang_timeout_s of the hung scenario")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"which of {', '.join(SCENARIOS)}")
     parser.add_argument("--port", type=int, default=29500)
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     parse_rate(args.rate)
+    chosen = args.scenarios.split(",")
+    if any(c not in SCENARIOS for c in chosen):
+        parser.error(f"--scenarios={args.scenarios}: each must be one of {', '.join(SCENARIOS)}")
     reason = unavailable()
     if reason:
         print(f"bench.faults: skipped: {reason}", flush=True)
         return 0
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="relaxsync-faults-"))
-    scenarios = [
-        (f"died ({s})", lambda net, port, s=s: died(net, args, workdir, port, s)) for s in args.algorithms.split(",")
-    ]
-    scenarios += [
-        ("hung", lambda net, port: hung(net, args, workdir, port)),
-        ("sigterm", lambda net, port: sigterm(net, args, workdir, port)),
-        ("torchrun restart", lambda net, port: torchrun_restart(net, args, workdir, port)),
-    ]
+    runs = {
+        "died": [
+            (f"died ({s})", lambda net, port, s=s: died(net, args, workdir, port, s))
+            for s in args.algorithms.split(",")
+        ],
+        "hung": [("hung", lambda net, port: hung(net, args, workdir, port))],
+        "sigterm": [("sigterm", lambda net, port: sigterm(net, args, workdir, port))],
+        "rejoin": [("rejoin", lambda net, port: rejoin(net, args, workdir, port))],
+        "torchrun": [("torchrun restart", lambda net, port: torchrun_restart(net, args, workdir, port))],
+    }
+    scenarios = [run for name in SCENARIOS if name in chosen for run in runs[name]]
     rows = []
     try:
         with EmulatedNetwork(NODES) as net:

@@ -49,7 +49,9 @@ class TrainSampler(Sampler[int]):
     shards of any number of ranks interleave the same order: rank ``i`` of ``n`` gets ``perm[i::n]``.
 
     Shards differ in length by at most one; the trainer runs the same number of full batches on every rank
-    (:func:`steps_per_epoch`). ``skip`` starts part-way through an epoch (resume from a mid-epoch checkpoint).
+    (:func:`steps_per_epoch`). ``skip`` starts part-way through an epoch (resume from a mid-epoch checkpoint): the
+    samples any number of ranks consumed in ``s`` full steps are a prefix of the permutation, so skipping that prefix
+    and sharding the rest continues the epoch exactly, at the same world size or another one.
     """
 
     def __init__(self, length: int, num_replicas: int, rank: int, seed: int):
@@ -60,20 +62,20 @@ class TrainSampler(Sampler[int]):
         self.epoch = epoch
 
     def skip(self, num_samples: int) -> None:
-        """Skip the first ``num_samples`` of this rank's shard in the next epoch only."""
+        """Skip the first ``num_samples`` of the epoch's permutation (all ranks' together) in the next epoch only."""
         self.start = num_samples
 
     def shard(self) -> list[int]:
         g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.length, generator=g)[self.rank :: self.num_replicas].tolist()
+        return torch.randperm(self.length, generator=g)[self.start :][self.rank :: self.num_replicas].tolist()
 
     def __iter__(self) -> Iterator[int]:
-        indices = self.shard()[self.start :]
+        indices = self.shard()
         self.start = 0
         return iter(indices)
 
     def __len__(self) -> int:
-        return len(range(self.rank, self.length, self.num_replicas)) - self.start
+        return len(range(self.rank, self.length - self.start, self.num_replicas))
 
 
 def train_loader(
@@ -104,3 +106,11 @@ def val_loader(dataset: Dataset, batch_size: int, num_workers: int, num_replicas
 def steps_per_epoch(num_train: int, num_replicas: int, batch_size: int) -> int:
     """Optimizer steps per epoch, the same on every rank: full batches of the smallest shard."""
     return (num_train // num_replicas) // batch_size
+
+
+def resumed_step_in_epoch(num_train: int, consumed: int, num_replicas: int, batch_size: int) -> int:
+    """Where a world of ``num_replicas`` ranks stands in an epoch of which ``consumed`` samples (a prefix of the
+    permutation) were trained on, possibly by a world of another size: the steps it has left are the full batches of
+    the smallest shard of the rest, and it is that many steps short of its :func:`steps_per_epoch`."""
+    left = ((num_train - consumed) // num_replicas) // batch_size
+    return steps_per_epoch(num_train, num_replicas, batch_size) - left

@@ -4,10 +4,12 @@
 schedule, the sync algorithm's shared state, the position (epoch, step, step within the epoch) and the resolved
 config as a plain dict. Beside it, ``sync_rank<r>.pt`` holds rank r's own sync state (DGC residuals, local
 momenta), written by that rank, tagged with the step so that a stale one is never mistaken for current.
+``stop.json`` names the torchrun job (its rendezvous id) whose world a signal stopped at that checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 
 LAST = "last.pt"
+STOP = "stop.json"
 
 
 def checkpoint_dir(run_dir: str) -> str:
@@ -59,10 +62,22 @@ class Checkpointer:
     def __init__(self, run_dir: str, rank: int, checkpoint_every: int, resume: str | None):
         self.rank, self.every = rank, checkpoint_every
         self.path = os.path.join(checkpoint_dir(run_dir), LAST)
-        # A world restarted by the elastic agent (torchrun --max-restarts, trainer.max_restarts) continues from
-        # the newest checkpoint of the run dir, whatever trainer.resume said.
+        # A world restarted by the elastic agent continues from the newest checkpoint of the run dir, whatever
+        # trainer.resume said: after a failure (torchrun --max-restarts, trainer.max_restarts), and when the agents
+        # stopped the world with SIGTERM to let a node join (--nnodes MIN:MAX; the restart count stays 0 then, but
+        # the stop checkpoint names the job).
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.resume_path = resolve_resume("auto" if self.restart and resume is None else resume, run_dir)
+        self.job = os.environ.get("TORCHELASTIC_RUN_ID")
+        self.stop_path = os.path.join(checkpoint_dir(run_dir), STOP)
+        self.rejoined = resume is None and not self.restart and self.job is not None and self._stopped_job() == self.job
+        auto = resume is None and (self.restart or self.rejoined)
+        self.resume_path = resolve_resume("auto" if auto else resume, run_dir)
+
+    def _stopped_job(self) -> str | None:
+        if not os.path.isfile(self.stop_path):
+            return None
+        with open(self.stop_path) as f:
+            return json.load(f).get("job")
 
     def due(self, epoch: int, finished_epoch: bool, last: bool, stop: bool) -> bool:
         """After epoch ``epoch`` (from 1): at the end of the run, when stopping early, and every
@@ -72,13 +87,20 @@ class Checkpointer:
     def local_path(self, checkpoint_path: str) -> str:
         return os.path.join(os.path.dirname(checkpoint_path), f"sync_rank{self.rank}.pt")
 
-    def save(self, state: dict[str, Any] | None, local: dict[str, Any], step: int) -> None:
+    def save(self, state: dict[str, Any] | None, local: dict[str, Any], step: int, stopped_by: str | None) -> None:
         """Collective in effect: every rank writes its own ``local`` sync state (if any); the logging rank, the one
-        passing ``state``, writes the checkpoint itself."""
+        passing ``state``, writes the checkpoint itself and, when a signal (``stopped_by``) stopped a torchrun
+        world, which job it was."""
         if local:
             save_atomic({"sync": local, "step": step}, self.local_path(self.path))
         if state is not None:
             save_atomic(state, self.path)
+            if stopped_by is not None and self.job is not None:
+                marker = {"job": self.job, "step": step, "signal": stopped_by}
+                fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=os.path.dirname(self.stop_path))
+                with os.fdopen(fd, "w") as f:
+                    json.dump(marker, f)
+                os.replace(tmp, self.stop_path)
 
     def load(self) -> dict[str, Any] | None:
         """The checkpoint to resume from, or None for a fresh run."""

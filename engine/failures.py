@@ -129,9 +129,12 @@ class Failures:
         if m.store.check([decision]):  # decided without this rank: it was hung, or it is late
             agreed = json.loads(m.store.get(decision))
         else:
-            m.store.set(self._key(generation, f"in/{m.rank}"), "1")
+            m.store.set(self._key(generation, f"in/{m.rank}"), cause)
             gone = self._silent_peers(generation)
-            proposal = {"ranks": gone, "cause": cause, "step": step, "time": time.time()}
+            # A survivor waiting on another survivor times out even when the peer died: it died if anyone saw
+            # its connection close.
+            seen = [m.store.get(self._key(generation, f"in/{r}")).decode() for r in m.ranks if r not in gone]
+            proposal = {"ranks": gone, "cause": "died" if "died" in seen else "hung", "step": step, "time": time.time()}
             agreed = m.propose(f"failure{generation}/decision", proposal)
         if not agreed["ranks"]:
             raise error

@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from algorithms.base import RebuildTrainLoader, ScaleLR, StepResult, SyncContext, SyncReport
 from algorithms.comm import CommCounts, Communicator
 from algorithms.membership import LeftRun, Membership, host_names
-from data.common import build_data, steps_per_epoch, train_loader, val_loader
+from data.common import build_data, resumed_step_in_epoch, steps_per_epoch, train_loader, val_loader
 from engine.checkpoint import Checkpointer
 from engine.evaluate import Evaluator
 from engine.failures import Failures, is_collective_failure
@@ -111,6 +111,7 @@ class Trainer:
         # Position in the run (epochs and steps completed; epochs are numbered from 1 wherever a user reads
         # or sets them, so the epoch in progress is self.epoch + 1); overwritten by a resumed checkpoint.
         self.epoch, self.step, self.step_in_epoch = 0, 0, 0
+        self.epoch_samples = 0  # samples the world trained on in the epoch in progress: a prefix of its permutation
         self.last_eval: dict[str, Any] | None = None
         self.best_eval: dict[str, Any] | None = None
         self.checkpointer = Checkpointer(run_dir, self.rank, t["checkpoint_every"], t["resume"])
@@ -121,7 +122,8 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.amp.load_state_dict(state["amp"])
             self.schedule.load_state_dict(state["schedule"])
-            self.epoch, self.step, self.step_in_epoch = state["epoch"], state["step"], state["step_in_epoch"]
+            self.epoch, self.step = state["epoch"], state["step"]
+            self._resume_position(state)
             self.last_eval, self.best_eval = state.get("last_eval"), state.get("best_eval")
 
         self.sync = instantiate(cfg["sync"])
@@ -143,16 +145,38 @@ class Trainer:
             self.recorder.event({"event": "world", "world_size": self.world_size, "hosts": hosts}, now, self.step)
             if state is not None:
                 path, restart = self.checkpointer.resume_path, self.checkpointer.restart
-                self.recorder.event({"event": "resume", "path": path, "restart": restart}, now, self.step)
+                before = state.get("world_size", self.world_size)
+                event = {"event": "resume", "path": path, "restart": restart, "world_size_before": before}
+                self.recorder.event(event, now, self.step)
                 after = f" after restart {restart}" if restart else ""
+                if self.checkpointer.rejoined:
+                    after = f" in torchrun job {self.checkpointer.job} after its stop"
+                grown = f", {before} -> {self.world_size} ranks" if before != self.world_size else ""
                 self.recorder.console(
-                    f"relaxsync: resumed{after} from step {self.step} (epoch {now} of {t['epochs']}) of {path}"
+                    f"relaxsync: resumed{after} from step {self.step} (epoch {now} of {t['epochs']}{grown}) of {path}"
                 )
         self.recorder.console(
             f"relaxsync: {self.world_size} x {self.device.type}, model {cfg['model']['name']} "
             f"({self.num_params / 1e6:.2f} M params), sync {self.sync.name}, {self.steps_per_epoch} steps/epoch, "
             f"global batch {self.batch_size * self.world_size}, run dir {shown(run_dir)}"
         )
+
+    def _resume_position(self, state: dict[str, Any]) -> None:
+        """Where a resumed world stands in its epoch, at the checkpoint's world size or another one (torchrun grew
+        or shrank the world between the stop and the restart): it skips the samples already trained on and runs
+        the steps of the rest; the LR is the new world's, its schedule at the same fraction of the epoch."""
+        before = state.get("world_size", self.world_size)
+        self.epoch_samples = state.get("epoch_samples", state["step_in_epoch"] * self.batch_size * before)
+        self.step_in_epoch = 0
+        if state["step_in_epoch"]:
+            n = len(self.data.train)
+            self.step_in_epoch = resumed_step_in_epoch(n, self.epoch_samples, self.world_size, self.batch_size)
+            if self.step_in_epoch >= self.steps_per_epoch:  # less than a step per rank was left: the epoch is done
+                self.epoch, self.step_in_epoch, self.epoch_samples = self.epoch + 1, 0, 0
+        # The LR scale an eviction or a lost rank set applies to the world it was set in; a world of another size
+        # starts from the LR its own size gives.
+        if state.get("base_world_size", before) != self.world_size:
+            self.schedule.scale = 1.0
 
     def _resume_sync(self, state: dict[str, Any]) -> None:
         self.sync.load_state_dict(state["sync"])
@@ -224,7 +248,7 @@ class Trainer:
                 epoch = self.epoch + 1  # the epoch in progress, from 1
                 finished_epoch = self.train_epoch(epoch)
                 if finished_epoch:
-                    self.epoch, self.step_in_epoch = epoch, 0
+                    self.epoch, self.step_in_epoch, self.epoch_samples = epoch, 0, 0
                 epochs_this_run += 1
                 stop = self.stop.reached(self.step) or (
                     t["max_epochs_per_run"] is not None and epochs_this_run >= t["max_epochs_per_run"]
@@ -262,8 +286,8 @@ class Trainer:
         torch.manual_seed(t["seed"] * 100_003 + epoch * 1_009 + self.rank)
         sampler = self.train_loader.sampler
         sampler.set_epoch(epoch)
-        if self.step_in_epoch:
-            sampler.skip(self.step_in_epoch * self.batch_size)
+        if self.step_in_epoch:  # resumed mid-epoch
+            sampler.skip(self.epoch_samples)
         self.sync.module.train()
         steps = min(self.steps_per_epoch, self.step_in_epoch + self.max_steps - self.step)  # max_steps may cap it
         bar = tqdm(
@@ -312,6 +336,7 @@ class Trainer:
         self._record_losses(epoch)
         self.step += 1
         self.step_in_epoch += 1
+        self.epoch_samples += self.batch_size * self.train_loader.sampler.num_replicas
         return record
 
     def _compute(self, x: torch.Tensor, y: torch.Tensor, epoch: int, data_s: float):
@@ -457,12 +482,15 @@ class Trainer:
                 "epoch": self.epoch,
                 "step": self.step,
                 "step_in_epoch": self.step_in_epoch,
+                "epoch_samples": self.epoch_samples,
                 "world_size": self.membership.size,
+                "base_world_size": self.world_size,  # the world the LR was computed for
                 "last_eval": self.last_eval,
                 "best_eval": self.best_eval,
                 "config": self.cfg,
             }
-        self.checkpointer.save(state, self.sync.local_state_dict(), self.step)
+        stopped_by = self.stop.name if self.stop.reached(self.step) else None
+        self.checkpointer.save(state, self.sync.local_state_dict(), self.step, stopped_by)
         if state is not None:
             self.recorder.event({"event": "checkpoint", "path": self.checkpointer.path}, epoch, self.step)
 

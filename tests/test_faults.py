@@ -3,18 +3,21 @@ world from the last step checkpoint, and both runs end where an undisturbed one 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import FAST, ROOT, load_model_state, records, train
 
+from bench.netns import unavailable as _netns_unavailable
 from engine.checkpoint import load
 from engine.metrics import read_metrics
 
@@ -125,27 +128,25 @@ def free_port() -> int:
 def start_nodes(n: int, run_dir: Path, *overrides: str) -> list[subprocess.Popen]:
     """``n`` torchrun agents on this machine, one worker each, meeting at a c10d rendezvous hosted by the first:
     a multi-node job in which one "node" can be killed without the others' agents noticing."""
-    port, nodes = free_port(), []
-    environ = dict(env(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for node in range(n):
-        launcher = [
-            TORCHRUN, "--nnodes", str(n), "--nproc-per-node", "1", "--max-restarts", "0",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_dir.name,
-            "--rdzv-conf", f"is_host={int(node == 0)}",
-        ]  # fmt: skip
-        log = open(run_dir.parent / f"{run_dir.name}-node{node}.log", "w")
-        train_py = ["train.py", *overrides, f"trainer.run_dir={run_dir}"]
-        nodes.append(
-            subprocess.Popen(
-                [*launcher, *train_py],
-                cwd=ROOT,
-                env=environ,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
-    return nodes
+    port = free_port()
+    return [start_node(node, str(n), port, run_dir, overrides) for node in range(n)]
+
+
+def start_node(
+    node: int, nnodes: str, port: int, run_dir: Path, overrides, rdzv_conf: str = "", **environ: str
+) -> subprocess.Popen:
+    """Node ``node``'s torchrun agent (the first hosts the rendezvous at ``port``)."""
+    environ = dict(env(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **environ)
+    launcher = [
+        TORCHRUN, "--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "0", "--monitor-interval", "0.5",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_dir.name,
+        "--rdzv-conf", f"is_host={int(node == 0)}{rdzv_conf}",
+    ]  # fmt: skip
+    log = open(run_dir.parent / f"{run_dir.name}-node{node}.log", "w")
+    train_py = ["train.py", *overrides, f"trainer.run_dir={run_dir}"]
+    return subprocess.Popen(
+        [*launcher, *train_py], cwd=ROOT, env=environ, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def worker_of(node: subprocess.Popen) -> tuple[int, int]:
@@ -160,11 +161,11 @@ def worker_of(node: subprocess.Popen) -> tuple[int, int]:
 
 
 def finish(nodes: list[subprocess.Popen], run_dir: Path, timeout: float = 240) -> list[dict]:
-    """Wait for the run's summary, then for the surviving workers to exit; returns the metrics. The agents are
+    """Wait for the run's final summary, then for the surviving workers to exit; returns the metrics. The agents are
     then stopped: torchrun's own exit barrier waits 300 s for the agent that is gone."""
     deadline = time.monotonic() + timeout
     metrics = run_dir / "metrics.jsonl"
-    while not (metrics.exists() and records(read_metrics(str(metrics)), "summary")):
+    while not (metrics.exists() and any(r["finished"] for r in records(read_metrics(str(metrics)), "summary"))):
         assert time.monotonic() < deadline, "no summary:\n" + tail(run_dir)
         time.sleep(0.2)
     for node in nodes:
@@ -231,6 +232,46 @@ def test_a_killed_node_leaves_and_the_others_finish_the_run(tmp_path, sync):
     assert summary["replica_spread"] == 0.0  # the survivors end with identical parameters
     events = [e["event"] for e in records(metrics, "event")]
     assert "loader_rebuilt" in events and "lr_adjusted" in events
+
+
+@pytest.mark.full  # ~2 min; in make test, the sampler's test_units case covers the resume at another world size
+def test_a_node_started_later_joins_through_torchrun_scale_up_and_nothing_is_lost_or_repeated(tmp_path):
+    """``torchrun --nnodes 2:3`` on two nodes, then a third: the agents stop the two workers with SIGTERM, which
+    checkpoint at an agreed step; the world restarts at 3 (the restart count stays 0), resumes from that step on its
+    own, trains the rest of the epoch on the samples not yet seen, and finishes."""
+    run_dir, port = tmp_path / "run", free_port()
+    overrides = [
+        *FAST,
+        "data.num_samples=3072",
+        "data.num_val_samples=96",
+        "trainer.epochs=2",
+        "straggler=sleep",
+        "straggler.ranks=[0,1]",
+        "straggler.start_epoch=1",
+        "straggler.sleep_s=0.5",
+    ]  # fmt: skip  (48 steps per epoch at 2 ranks, 32 at 3; half a second each: the third node joins mid-epoch 1)
+    start = partial(start_node, nnodes="2:3", port=port, run_dir=run_dir, overrides=overrides)
+    # torch's agents reuse the first round's store address when a node joins later; a store per round works
+    share = {"rdzv_conf": ",last_call_timeout=1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    nodes = [start(0, **share), start(1, **share)]
+    wait_for_train_steps(run_dir, 6)
+    nodes.append(start(2, **share))
+    metrics = finish(nodes, run_dir, timeout=300)
+
+    (resume,) = [e for e in records(metrics, "event") if e["event"] == "resume"]
+    assert resume["world_size_before"] == 2 and resume["restart"] == 0
+    stopped = resume["step"]  # the agreed stop step
+    assert 6 <= stopped < 48
+    summary = records(metrics, "summary")[-1]  # (the first world's stop wrote one too)
+    # at 3 ranks: the rest of epoch 1 (3072 - 64 * stopped samples over 3 ranks of 32), then 32 steps
+    expected = stopped + (3072 - 64 * stopped) // 3 // 32 + 32
+    assert summary["finished"] and summary["world_size"] == 3 and summary["steps"] == expected
+    steps = [r["step"] for r in records(metrics, "train")]
+    assert steps == list(range(expected))  # every step once, in order, across the two worlds
+    worlds = [r["world_size"] for r in records(metrics, "train")]
+    assert set(worlds[:stopped]) == {2} and set(worlds[stopped:]) == {3}
+    assert summary["replica_spread"] == 0.0
+    assert "resumed in torchrun job run after its stop" in tail(run_dir)
 
 
 @pytest.mark.parametrize("where", ["step", pytest.param("evaluation", marks=pytest.mark.full)])
@@ -334,3 +375,28 @@ def test_a_peer_silent_before_the_failure_is_recognised_without_watching_it_agai
         done.set()
         failures.heartbeat.stop()
         beating.join()
+
+
+NETNS = _netns_unavailable()
+
+
+@pytest.mark.full  # ~5 min; make test covers each case with torchrun agents on localhost (above)
+@pytest.mark.skipif(NETNS is not None, reason=f"network emulation unavailable: {NETNS}")
+def test_in_network_namespaces_a_dead_node_a_hung_one_and_one_that_joins_later(tmp_path):
+    """bench/faults' scenarios on 3 emulated nodes at 1 Gbit: ``kill -9`` of a node (allreduce), SIGSTOP of a
+    worker (5 s deadline), and a node started after the other two under ``--nnodes 2:3``."""
+    from bench import faults
+
+    argv = ["--scenarios", "died,hung,rejoin", "--algorithms", "allreduce", "--hang-timeout", "5"]
+    assert faults.main([*argv, "--port", str(free_port()), "--out", str(tmp_path)]) == 0
+    rows = {r["scenario"]: r for r in json.loads((tmp_path / "faults.json").read_text())["rows"]}
+    assert not [r for r in rows.values() if "error" in r], rows
+    for name, cause in (("died (allreduce)", "died"), ("hung", "hung")):
+        row = rows[name]
+        assert row["cause"] == cause and row["finished"] and row["world_size"] == 2, row
+        assert row["lost_steps"] == 0 and row["steps_in_order"] and row["replica_spread"] == 0.0, row
+        assert row["recovery_s"] >= row["visible_s"] > 0, row
+    assert rows["hung"]["visible_s"] >= 5 and rows["hung"]["woken_exits_cleanly"]  # seen at the deadline, not before
+    joined = rows["rejoin"]
+    assert joined["world_sizes"] == [2, 3] and joined["finished"], joined
+    assert joined["lost_steps"] == 0 and joined["steps_in_order"], joined

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import plain_cfg
 
-from data.common import ShardSampler, TrainSampler, steps_per_epoch
+from data.common import ShardSampler, TrainSampler, resumed_step_in_epoch, steps_per_epoch
 from engine import checkpoint as ckpt
 from engine.amp import ApexAmp, TorchAmp, probe_apex
 from engine.metrics import wandb_keys
@@ -68,10 +68,39 @@ def test_train_sampler_skip_resumes_mid_epoch():
     order = list(full)
     part = TrainSampler(20, num_replicas=2, rank=1, seed=3)
     part.set_epoch(4)
-    part.skip(4)
+    part.skip(8)  # 4 samples of each of the 2 shards: the epoch's first 8
     assert list(part) == order[4:]
     assert list(part) == order  # the skip applies to one epoch only
     assert steps_per_epoch(1438, 3, 32) == 479 // 32
+
+
+@pytest.mark.parametrize("before, after", [(2, 3), (3, 2), (2, 2)])
+def test_an_epoch_resumed_at_another_world_size_trains_no_sample_twice_and_drops_fewer_than_a_batch_per_rank(
+    before, after
+):
+    """A world stopped after ``s`` steps of an epoch and resumed at another size (torchrun scale-up or down):
+    the new ranks skip what was trained, shard the rest, and the step count continues where the epoch stands."""
+    n, batch, s = 1000, 16, 7
+
+    def shards(replicas: int, skip: int = 0) -> list[list[int]]:
+        out = []
+        for r in range(replicas):
+            sampler = TrainSampler(n, replicas, r, seed=5)
+            sampler.set_epoch(3)
+            sampler.skip(skip)
+            out.append(list(sampler))
+        return out
+
+    trained = [i for shard in shards(before) for i in shard[: s * batch]]
+    consumed = s * batch * before
+    step_in_epoch = resumed_step_in_epoch(n, consumed, after, batch)
+    left = steps_per_epoch(n, after, batch) - step_in_epoch
+    rest = [i for shard in shards(after, consumed) for i in shard[: left * batch]]
+    assert len(set(trained)) == len(trained) and not set(trained) & set(rest)  # nothing twice
+    assert n - len(trained) - len(rest) < after * batch + after  # at most the ragged end of one step per rank
+    if before == after:
+        assert step_in_epoch == s and rest == [i for sh in shards(before) for i in sh[s * batch : (s + left) * batch]]
+    assert abs(step_in_epoch / steps_per_epoch(n, after, batch) - consumed / n) < 0.05  # the LR schedule's position
 
 
 def test_atomic_save_leaves_old_checkpoint_intact_on_failure(tmp_path, monkeypatch):
@@ -104,6 +133,25 @@ def test_resolve_resume(tmp_path):
     assert ckpt.resolve_resume("auto", str(tmp_path)) is None  # nothing to resume yet
     ckpt.save_atomic({}, str(tmp_path / "checkpoints" / "last.pt"))
     assert ckpt.resolve_resume("auto", str(tmp_path)).endswith("checkpoints/last.pt")
+
+
+def test_a_torchrun_world_resumes_by_itself_after_a_restart_or_its_own_jobs_stop(tmp_path, monkeypatch):
+    """A restart (TORCHELASTIC_RESTART_COUNT > 0), or a world of the torchrun job whose stop wrote the checkpoint
+    (a scale-up restart keeps the count at 0), resumes without trainer.resume; another job or no stop does not."""
+    run_dir = str(tmp_path)
+    for var in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    first = ckpt.Checkpointer(run_dir, 0, 1, None)
+    first.save({"step": 7}, {}, 7, stopped_by=None)
+    assert ckpt.Checkpointer(run_dir, 0, 1, None).resume_path is None  # a checkpoint, but no stop: a fresh run
+    first.save({"step": 9}, {}, 9, stopped_by="SIGTERM")
+    assert ckpt.Checkpointer(run_dir, 1, 1, None).resume_path == first.path  # the job's next world
+    assert ckpt.Checkpointer(run_dir, 1, 1, None).rejoined
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    assert ckpt.Checkpointer(run_dir, 0, 1, None).resume_path is None  # another job starts over
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert ckpt.Checkpointer(run_dir, 0, 1, None).resume_path == first.path  # any job's restart resumes
 
 
 def test_wandb_key_names_follow_the_metrics_contract():
