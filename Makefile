@@ -62,7 +62,7 @@ bench-diloco: $(STAMP) ## DiLoCo (H sweep) and streaming DiLoCo vs allreduce and
 bench-network: $(STAMP) ## every algorithm on emulated slow links, multi-node torchrun (root; ~25 min)
 	$(PY) -m bench.network $(ARGS)
 
-bench-faults: $(STAMP) ## (root) a dead node, a hung one, SIGTERM, vs torchrun's restart: recovery s, lost steps
+bench-faults: $(STAMP) ## (root) a dead node, a hung one, SIGTERM, a node joining, vs torchrun's restart: recovery s, lost steps
 	$(PY) -m bench.faults $(ARGS)
 
 clean: ## remove run outputs (keeps .venv)

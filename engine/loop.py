@@ -121,7 +121,6 @@ class Trainer:
             self.raw_model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.amp.load_state_dict(state["amp"])
-            self.schedule.load_state_dict(state["schedule"])
             self.epoch, self.step = state["epoch"], state["step"]
             self._resume_position(state)
             self.last_eval, self.best_eval = state.get("last_eval"), state.get("best_eval")
@@ -173,10 +172,9 @@ class Trainer:
             self.step_in_epoch = resumed_step_in_epoch(n, self.epoch_samples, self.world_size, self.batch_size)
             if self.step_in_epoch >= self.steps_per_epoch:  # less than a step per rank was left: the epoch is done
                 self.epoch, self.step_in_epoch, self.epoch_samples = self.epoch + 1, 0, 0
-        # The LR scale an eviction or a lost rank set applies to the world it was set in; a world of another size
-        # starts from the LR its own size gives.
-        if state.get("base_world_size", before) != self.world_size:
-            self.schedule.scale = 1.0
+        # The LR scale an eviction or a lost rank set (survivors / initial ranks) applies to the shrunk world it
+        # was set in; a resumed world has all its processes, at whatever size, and the LR its own size gives.
+        self.schedule.scale = 1.0
 
     def _resume_sync(self, state: dict[str, Any]) -> None:
         self.sync.load_state_dict(state["sync"])
@@ -484,7 +482,6 @@ class Trainer:
                 "step_in_epoch": self.step_in_epoch,
                 "epoch_samples": self.epoch_samples,
                 "world_size": self.membership.size,
-                "base_world_size": self.world_size,  # the world the LR was computed for
                 "last_eval": self.last_eval,
                 "best_eval": self.best_eval,
                 "config": self.cfg,

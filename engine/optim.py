@@ -76,9 +76,6 @@ class LRSchedule:
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self.scale}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale = state["scale"]
-
 
 def effective_lr(cfg_opt: dict[str, Any], cfg_sched: dict[str, Any], global_batch: int) -> float:
     """``optimizer.lr`` is for the global batch; with ``schedule.scale_lr`` it is for ``base_batch_size``."""
