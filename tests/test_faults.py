@@ -161,8 +161,8 @@ def worker_of(node: subprocess.Popen) -> tuple[int, int]:
 
 
 def finish(nodes: list[subprocess.Popen], run_dir: Path, timeout: float = 240) -> list[dict]:
-    """Wait for the run's final summary, then for the surviving workers to exit; returns the metrics. The agents are
-    then stopped: torchrun's own exit barrier waits 300 s for the agent that is gone."""
+    """Wait for the run's final summary, then for the surviving workers to exit with status 0; returns the metrics.
+    The agents are then stopped: torchrun's own exit barrier waits 300 s for the agent that is gone."""
     deadline = time.monotonic() + timeout
     metrics = run_dir / "metrics.jsonl"
     while not (metrics.exists() and any(r["finished"] for r in records(read_metrics(str(metrics)), "summary"))):
@@ -172,6 +172,8 @@ def finish(nodes: list[subprocess.Popen], run_dir: Path, timeout: float = 240) -
         while node.poll() is None and subprocess.run(["pgrep", "-P", str(node.pid)], capture_output=True).stdout:
             assert time.monotonic() < deadline, "a worker did not exit:\n" + tail(run_dir)
             time.sleep(0.2)
+    for log in sorted(run_dir.parent.glob(f"{run_dir.name}-node*.log")):  # torchrun reports a worker's failure
+        assert "failed (exitcode" not in log.read_text(), f"a worker exited non-zero:\n{tail(run_dir)}"
     for node in nodes:
         if node.poll() is None:
             os.killpg(node.pid, signal.SIGKILL)
