@@ -276,6 +276,44 @@ def test_a_node_started_later_joins_through_torchrun_scale_up_and_nothing_is_los
     assert "resumed in torchrun job run after its stop" in tail(run_dir)
 
 
+@pytest.mark.full  # ~2 min; the two halves (a killed node, a node that joins) are tested apart above
+def test_a_killed_node_started_again_rejoins_the_survivors(tmp_path):
+    """``--nnodes 2:3`` with ``on_failure=continue``: a node is killed, the two others go on; the same torchrun
+    command started again on it joins, and the run finishes at 3 with every step once."""
+    run_dir, port = tmp_path / "run", free_port()
+    overrides = [
+        *FAST, "data.num_samples=3072", "data.num_val_samples=96", "trainer.epochs=2",
+        "trainer.on_failure=continue", "trainer.hang_timeout_s=10",
+        "straggler=sleep", "straggler.ranks=[0,1]", "straggler.start_epoch=1", "straggler.sleep_s=0.5",
+    ]  # fmt: skip
+    start = partial(start_node, nnodes="2:3", port=port, run_dir=run_dir, overrides=overrides)
+    share = {"rdzv_conf": ",last_call_timeout=5", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    nodes = [start(node, **share) for node in range(3)]
+    wait_for_train_steps(run_dir, 6)
+    victim = nodes[2]  # (not the first node: it hosts the store)
+    worker_pid, rank = worker_of(victim)
+    os.killpg(victim.pid, signal.SIGKILL)
+    os.kill(worker_pid, signal.SIGKILL)
+    victim.wait()
+    deadline = time.monotonic() + 60
+    while not [e for e in records(read_metrics(str(run_dir / "metrics.jsonl")), "event") if e["event"] == "rank_lost"]:
+        assert time.monotonic() < deadline, "no rank_lost:\n" + tail(run_dir)
+        time.sleep(0.2)
+    nodes[2] = start(2, **share)
+    metrics = finish(nodes, run_dir, timeout=300)
+
+    (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
+    assert lost["ranks"] == [rank] and lost["cause"] == "died" and lost["world_size"] == 2
+    (resume,) = [e for e in records(metrics, "event") if e["event"] == "resume"]
+    assert resume["world_size_before"] == 2 and resume["step"] > lost["failed_step"]
+    summary = records(metrics, "summary")[-1]
+    assert summary["finished"] and summary["world_size"] == 3 and summary["replica_spread"] == 0.0
+    steps = [r["step"] for r in records(metrics, "train")]
+    assert steps == list(range(summary["steps"]))  # every step once, in order: 3 ranks, 2, then 3 again
+    worlds = [r["world_size"] for r in records(metrics, "train")]
+    assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3
+
+
 @pytest.mark.parametrize("where", ["step", pytest.param("evaluation", marks=pytest.mark.full)])
 def test_a_hung_worker_is_given_up_and_exits_cleanly_when_it_wakes(tmp_path, where):
     """SIGSTOP of one worker (local launcher, 3 processes) in a step, or as the first evaluation begins: after
