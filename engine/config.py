@@ -116,6 +116,11 @@ def validate(cfg: dict[str, Any]) -> None:
         _check(torch.cuda.is_available(), "trainer.device", t["device"], "auto or cpu: no CUDA device here")
     for key in ("eval_every", "log_every"):
         _check(_is_int(t[key]) and t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1")
+    es = t["eval_every_steps"]
+    _check(es is None or (_is_int(es) and es >= 1), "trainer.eval_every_steps", es, "null or an integer >= 1")
+    target = t["target_top1"]
+    top1_ok = target is None or (_is_num(target) and 0 < target <= 100)
+    _check(top1_ok, "trainer.target_top1", target, "null or a top-1 % in (0, 100]")
     ce = t["checkpoint_every"]
     _check(_is_int(ce) and ce >= 0, "trainer.checkpoint_every", ce, "an integer >= 0 (0: final only)")
     ces = t["checkpoint_every_steps"]

@@ -42,6 +42,19 @@ class Evaluator:
         loss_sum, top1, top5, count = sums.tolist()
         return {"loss": loss_sum / count, "top1": 100.0 * top1 / count, "top5": 100.0 * top5 / count, "count": count}
 
+    def measure_average(self, model: nn.Module, loader: Any) -> dict[str, float]:
+        """:meth:`measure` of the active replicas' average (parameters and floating-point buffers), formed in
+        place by one allreduce and then undone: the model, and so training, is left exactly as it was. Its
+        traffic is not a training step's (not counted in one)."""
+        saved = {name: t.detach().clone() for name, t in model.state_dict().items()}
+        tensors = [p.data for p in model.parameters()] + [b.data for b in model.buffers() if b.is_floating_point()]
+        self.comm.all_reduce_coalesced(tensors, average=True)
+        self.comm.take()
+        try:
+            return self.measure(model, loader)
+        finally:
+            model.load_state_dict(saved)
+
     def replica_spread(self, model: nn.Module) -> float:
         """Largest difference between any active rank's parameter fingerprint and the first one's (0.0: all
         replicas hold identical parameters). One small allgather."""

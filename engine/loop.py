@@ -222,8 +222,13 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def done(self) -> bool:
-        """Whether the run has reached its end (``trainer.epochs`` or ``trainer.max_steps``)."""
-        return self.epoch >= self.cfg["trainer"]["epochs"] or self.step >= self.max_steps
+        """Whether the run has reached its end (``trainer.epochs``, ``trainer.max_steps`` or ``target_top1``)."""
+        return self.epoch >= self.cfg["trainer"]["epochs"] or self.step >= self.max_steps or self.reached_target()
+
+    def reached_target(self) -> bool:
+        """Whether an evaluation reached ``trainer.target_top1`` (kept in the checkpoint's best evaluation)."""
+        target = self.cfg["trainer"]["target_top1"]
+        return target is not None and self.best_eval is not None and self.best_eval["top1"] >= target
 
     @property
     def last_epoch(self) -> int:
@@ -251,7 +256,8 @@ class Trainer:
                 stop = self.stop.reached(self.step) or (
                     t["max_epochs_per_run"] is not None and epochs_this_run >= t["max_epochs_per_run"]
                 )
-                if self.done() or (finished_epoch and epoch % t["eval_every"] == 0):
+                # (a run that reached its target top-1 ends on the evaluation that showed it)
+                if (self.done() or (finished_epoch and epoch % t["eval_every"] == 0)) and not self.reached_target():
                     self._survive(partial(self.evaluate, epoch), epoch, "evaluation")
                 if self.checkpointer.due(epoch, finished_epoch, self.done(), stop):
                     self._survive(partial(self.save_checkpoint, epoch), epoch, "checkpoint")
@@ -302,13 +308,15 @@ class Trainer:
             # Every rank runs the same number of steps, whatever the length of its own shard.
             batches = itertools.islice(self.train_loader, self.steps_per_epoch - self.step_in_epoch)
             tick = time.perf_counter()
-            every = t["checkpoint_every_steps"]
+            every, peek = t["checkpoint_every_steps"], t["eval_every_steps"]
             for x, y in batches:
                 record = self.train_step(x, y, epoch, tick)
                 bar.update(1)
                 if self.step % t["log_every"] == 0:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['samples_per_s']:.0f}", refresh=False)
-                if self.step >= self.max_steps or self.stop.due(self.step, record["step_s"]):
+                if peek and self.step % peek == 0:
+                    self._survive(partial(self.evaluate, epoch, on_the_side=True), epoch, "evaluation")
+                if self.step >= self.max_steps or self.stop.due(self.step, record["step_s"]) or self.reached_target():
                     break
                 if every and self.step % every == 0 and self.step_in_epoch < self.steps_per_epoch:
                     # (at the end of an epoch, the epoch's own checkpoint follows)
@@ -436,15 +444,20 @@ class Trainer:
             self.comm.take()
             self._agreed_at_step = self.step
 
-    def evaluate(self, epoch: int) -> dict[str, Any]:
+    def evaluate(self, epoch: int, on_the_side: bool = False) -> dict[str, Any]:
         """Top-1/top-5 and loss over the whole validation set, each sample counted exactly once; with replicas
-        that differ (gossip), also each replica's own accuracy before they are brought together."""
+        that differ (gossip), also each replica's own accuracy before they are brought together. ``on_the_side``
+        (``trainer.eval_every_steps``): of the replicas' average formed on a copy, leaving training untouched."""
+        start = time.perf_counter()
         extra = {}
         if self.sync.evaluates_replicas:
             replica = self.evaluator.measure(self.raw_model, self.val_loader)
             extra = {"replica_loss": replica["loss"], "replica_top1": replica["top1"]}
-        self._agree_replicas()
-        whole = self.evaluator.measure(self.raw_model, self.val_loader)
+        if on_the_side:
+            whole = self.evaluator.measure_average(self.raw_model, self.val_loader)
+        else:
+            self._agree_replicas()
+            whole = self.evaluator.measure(self.raw_model, self.val_loader)
         result = {
             "kind": "eval",
             "epoch": epoch,
@@ -454,10 +467,17 @@ class Trainer:
             "top5": whole["top5"],
             "num_samples": int(whole["count"]),
             **extra,
+            "eval_s": time.perf_counter() - start,  # (time-to-accuracy measures leave it out)
         }
+        if on_the_side:
+            result["on_the_side"] = True
         self.last_eval = result
+        reached = self.reached_target()
         if self.best_eval is None or result["top1"] > self.best_eval["top1"]:
             self.best_eval = result
+        if self.reached_target() and not reached:
+            target = self.cfg["trainer"]["target_top1"]
+            self.recorder.console(f"relaxsync: target top-1 {target}% reached at step {self.step}; the run ends here")
         self.recorder.write(result, self.step)
         replica_note = f", replicas' own top1 {extra['replica_top1']:.2f}%" if extra else ""
         self.recorder.console(
@@ -525,6 +545,7 @@ class Trainer:
                 "val_loss": last.get("loss"),
                 "best_top1": best.get("top1"),
                 "best_epoch": best.get("epoch"),
+                "reached_target": self.reached_target() if self.cfg["trainer"]["target_top1"] is not None else None,
             }
             self.recorder.finish(summary, self.step)
             self.recorder.console(format_summary(summary, self.cfg["trainer"], self.run_dir))

@@ -102,6 +102,8 @@ BAD = [
         "an integer for test_vit",
     ),
     (["trainer.checkpoint_every_steps=0"], "trainer.checkpoint_every_steps", "0", "null or an integer >= 1"),
+    (["trainer.eval_every_steps=0"], "trainer.eval_every_steps", "0", "null or an integer >= 1"),
+    (["trainer.target_top1=101"], "trainer.target_top1", "101", "null or a top-1 % in (0, 100]"),
     (["trainer.max_restarts=-1"], "trainer.max_restarts", "-1", "an integer >= 0"),
     (["trainer.on_failure=retry"], "trainer.on_failure", "retry", "abort or continue"),
     (["trainer.hang_timeout_s=3600"], "trainer.hang_timeout_s", "3600", "below trainer.timeout_s (1800)"),

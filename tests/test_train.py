@@ -291,3 +291,32 @@ def test_netdev_records_what_the_interface_sent_each_step(tmp_path):
     for r in steps:
         assert 2 * r["bytes_sent"] <= r["wire_bytes"] <= 1.5 * 2 * r["bytes_sent"]  # two senders, S each, + headers
         assert r["bytes_sent"] == 4 * TEST_RESNET_PARAMS
+
+
+def test_evaluations_on_the_side_leave_training_as_it_was_and_a_reached_target_ends_the_run(tmp_path):
+    """Local SGD, whose regular evaluation averages the replicas in place, evaluated every 3 steps on the side
+    (``trainer.eval_every_steps``) ends with the parameters of the same run without those evaluations; each is
+    recorded with its duration. With ``trainer.target_top1`` reached at the first of them, the run ends there,
+    finished."""
+    from conftest import load_model_state, train_each
+
+    common = [
+        "model=test_resnet", "data=digits", "logger=none", "trainer.progress=false", "trainer.nproc=2",
+        "sync=localsgd", "sync.begin_step=0", "sync.k_steps=4", "trainer.max_steps=10", "trainer.checkpoint_every=0",
+    ]  # fmt: skip
+    runs = {
+        "plain": common,
+        "peek": [*common, "trainer.eval_every_steps=3"],
+        "target": [*common, "trainer.eval_every_steps=3", "trainer.target_top1=1"],
+    }
+    metrics = train_each(tmp_path, runs)
+    plain, peek = load_model_state(tmp_path / "plain"), load_model_state(tmp_path / "peek")
+    for name, value in plain.items():
+        assert torch.equal(value, peek[name]), name
+    evals = records(metrics["peek"], "eval")
+    assert [(e["step"], e.get("on_the_side", False)) for e in evals] == [(3, True), (6, True), (9, True), (10, False)]
+    assert all(e["eval_s"] > 0 and e["num_samples"] > 0 for e in evals)
+
+    (summary,) = records(metrics["target"], "summary")
+    assert summary["finished"] and summary["reached_target"] and summary["steps"] == 3
+    assert [e["step"] for e in records(metrics["target"], "eval")] == [3]
