@@ -471,6 +471,8 @@ class Trainer:
         }
         if on_the_side:
             result["on_the_side"] = True
+        if getattr(self, "netdev", None) is not None:  # what the interface sent for it, kept out of the next step's
+            result["wire_bytes"] = self.netdev.delta()
         self.last_eval = result
         reached = self.reached_target()
         if self.best_eval is None or result["top1"] > self.best_eval["top1"]:

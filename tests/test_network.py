@@ -132,3 +132,49 @@ def _pids_inside(ns_prefix: str) -> list[int]:
         if ns.startswith(ns_prefix)
         for pid in netns._run(["ip", "netns", "pids", ns], check=False).stdout.split()
     ]
+
+
+def test_time_to_target_leaves_evaluations_out_of_the_clock_and_counts_bytes_up_to_the_crossing():
+    from bench.tta import time_to_target
+
+    # 3 steps per epoch, 1 s each, 100 MB sent per step; an evaluation of 0.5 s after steps 2, 4 and 6
+    metrics, clock = [], 100.0
+    for step in range(6):
+        clock += 1.0
+        metrics.append({"kind": "train", "step": step, "epoch": 1 + step // 3, "time": clock, "step_s": 1.0,
+                        "bytes_sent": 100e6, "wire_bytes": 105e6})  # fmt: skip
+        if step % 2 == 1:
+            clock += 0.5
+            top1 = {1: 40.0, 3: 81.0, 5: 90.0}[step]
+            metrics.append({"kind": "eval", "step": step + 1, "epoch": 1 + step // 3, "top1": top1, "time": clock,
+                            "eval_s": 0.5})  # fmt: skip
+    metrics.append({"kind": "summary", "evictions": 1})
+    out = time_to_target(metrics, target=80.0)
+    assert out["reached"] and out["steps"] == 4 and out["seconds"] == pytest.approx(4.0)  # 4 steps, no evaluation
+    assert out["epochs"] == pytest.approx(4 / 3) and out["mb_per_node"] == pytest.approx(400.0)
+    assert out["wire_mb_node0"] == pytest.approx(420.0)
+    assert out["best_top1"] == 90.0 and out["trained_s"] == pytest.approx(6.0) and out["evictions"] == 1
+    assert [c["s"] for c in out["curve"]] == pytest.approx([2.0, 4.0, 6.0])
+    never = time_to_target(metrics, target=95.0)
+    assert not never["reached"] and never["seconds"] is None and never["mb_per_node"] == pytest.approx(600.0)
+
+
+@pytest.mark.full  # ~2 min; make test checks the arithmetic above, and the two-node job across namespaces
+@pytest.mark.skipif(REASON is not None, reason=f"network emulation unavailable: {REASON}")
+def test_time_to_accuracy_miniature_two_algorithms_on_two_nodes(tmp_path):
+    from bench import tta
+
+    argv = ["--nodes", "2", "--scenarios", "1gbit", "--algorithms", "allreduce,localsgd4", "--target", "20",
+            "--eval-every", "2", "--max-steps", "80", "--out", str(tmp_path)]  # fmt: skip
+    assert tta.main(argv) == 0
+    rows = [json.loads(line) for line in (tmp_path / "tta.jsonl").read_text().splitlines()]
+    assert [r["algorithm"] for r in rows] == ["allreduce", "localsgd4"]
+    for r in rows:
+        assert r["reached"] and r["steps"] % 2 == 0 and 0 < r["seconds"] < r["wall_s"], r
+        assert r["curve"][-1]["top1"] >= 20 > max((c["top1"] for c in r["curve"][:-1]), default=0), r  # the crossing
+        assert r["trained_steps"] == r["steps"] and r["mb_per_node"] > 0
+        assert 1.0 <= r["wire_mb_node0"] / r["mb_per_node"] <= 1.15, r  # evaluations' traffic kept apart
+    allreduce, local = rows
+    assert local["mb_per_node"] / local["steps"] < allreduce["mb_per_node"] / allreduce["steps"] / 2
+    assert (tmp_path / "tta.md").exists() and (tmp_path / "tta_1gbit.png").exists()
+    assert not [ns for ns in netns.namespaces() if ns.startswith(netns.PREFIX)]

@@ -1,0 +1,280 @@
+"""Time to accuracy on emulated clusters (needs root): which sync option reaches a validation top-1 first, and at
+what cost in bytes, on the same runs.
+
+    sudo .venv/bin/python -m bench.tta [--scenarios fleet,1gbit,uneven] [--algorithms allreduce,dgc,...] [--target 80]
+                                       [--eval-every 4] [--max-steps 400] [--nodes 4]
+    .venv/bin/python -m bench.tta --report bench/results      # redraw the table and plots from a run's records
+
+Every cell is one multi-node torchrun job on the emulated network of ``bench/network`` (one namespace and one
+worker per node), training ``experiment=network`` from seed 0 with ``trainer.eval_every_steps`` and
+``trainer.target_top1``: it stops at the first evaluation that reaches the target, or at ``--max-steps``.
+Evaluations run on the side (the replicas' average on a copy; training is unchanged by them) and their seconds
+are left out of the clock. Scenarios, rows of the table:
+
+- ``fleet``: every node at 100 Mbit (the tier that matches Fleet's 1 Gbit tables, BENCHMARKS "bench/network");
+- ``1gbit``: every node at 1 Gbit;
+- ``uneven``: 1 Gbit, but the last node sits behind a 10x slower link (100 Mbit) and rank 1 computes 3x slower
+  from epoch 2; each algorithm alone, and some under ``sync=relaxed`` (compute or link measure).
+
+Per cell: seconds of training to the target, steps and epochs to it, MB sent per node to it (counted, and on
+the first node's interface), final and best top-1, evictions. Results: bench/results/tta.jsonl (one line per
+run, with its evaluations), tta.md and tta_<scenario>.png (top-1 against training seconds, target marked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS, machine
+from bench.netns import EmulatedNetwork, unavailable
+from bench.network import ALGORITHMS, CellFailed, run_job
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "fleet": {"label": "(a) 100 Mbit", "rates": ["100mbit"]},
+    "1gbit": {"label": "(b) 1 Gbit", "rates": ["1gbit"]},
+    "uneven": {
+        "label": "(c) uneven: 1 Gbit, one node at 100 Mbit, one 3x slower from epoch 2",
+        "rates": ["1gbit", "1gbit", "1gbit", "100mbit"],  # the last node's link (the others' for fewer nodes)
+        "overrides": ["straggler=sleep", "straggler.ranks=[1]", "straggler.slowdown=3", "straggler.start_epoch=2"],
+    },
+}
+DEFAULT_ALGORITHMS = (
+    "none,allreduce,powersgd,dgc,localsgd4,localsgd16,adaptive_localsgd,diloco,streaming,sgp_overlap,crossover_overlap"
+)
+# The uneven scenario also runs these under relaxed sync: eviction composed with an exchange.
+RELAXED: dict[str, tuple[str, list[str]]] = {
+    "relaxed_allreduce": ("relaxed (compute) + allreduce", ["sync=relaxed", "sync.measure=compute"]),
+    "relaxed_link_allreduce": ("relaxed (link) + allreduce", ["sync=relaxed", "sync.measure=link"]),
+    "relaxed_dgc": ("relaxed (compute) + DGC", ["sync=relaxed", "sync@sync.inner=dgc", "sync.measure=compute"]),
+    "relaxed_streaming": (
+        "relaxed (compute) + streaming DiLoCo",
+        [
+            "sync=relaxed",
+            "sync@sync.inner=diloco",
+            "sync.measure=compute",
+            "sync.inner.inner_steps=32",
+            "sync.inner.fragments=4",
+            "sync.inner.delay=2",
+            "sync.inner.quantize=int8",
+        ],
+    ),  # fmt: skip
+}
+
+
+def time_to_target(metrics: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """What a run's records say about reaching ``target`` top-1: the training clock starts when the first step
+    starts and leaves every evaluation's own seconds out."""
+    train = [r for r in metrics if r["kind"] == "train"]
+    evals = [r for r in metrics if r["kind"] == "eval"]
+    if not train or not evals:
+        raise CellFailed("no train or eval records")
+    start = train[0]["time"] - train[0]["step_s"]
+    curve, spent = [], 0.0
+    for e in evals:
+        spent += e["eval_s"]
+        curve.append({"step": e["step"], "epoch": e["epoch"], "top1": e["top1"], "s": e["time"] - start - spent})
+    hit = next((c for c in curve if c["top1"] >= target), None)
+    to = [r for r in train if hit is None or r["step"] < hit["step"]]
+    summary = next((r for r in reversed(metrics) if r["kind"] == "summary"), {})
+    whole_epoch = any(r["epoch"] > 1 for r in train)  # (steps per epoch are known once the first one ended)
+    steps_per_epoch = sum(1 for r in train if r["epoch"] == 1)
+    return {
+        "reached": hit is not None,
+        "seconds": hit["s"] if hit else None,
+        "steps": hit["step"] if hit else None,
+        "epochs": hit["step"] / steps_per_epoch if hit and whole_epoch else None,
+        "mb_per_node": sum(r["bytes_sent"] for r in to) / 1e6,
+        "wire_mb_node0": sum(r.get("wire_bytes", 0) for r in to) / 1e6,
+        "final_top1": evals[-1]["top1"],
+        "best_top1": max(e["top1"] for e in evals),
+        "trained_s": curve[-1]["s"],
+        "trained_steps": len(train),
+        "evictions": summary.get("evictions", 0),
+        "curve": curve,
+    }
+
+
+def cells_of(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
+    """(scenario, algorithm key, column name, overrides) for every run, in the order they run."""
+    out = []
+    for scenario in args.scenarios:
+        keys = list(args.algorithms) + (list(args.relaxed) if scenario == "uneven" else [])
+        for key in keys:
+            name, overrides = (ALGORITHMS | RELAXED)[key]
+            out.append((scenario, key, name, [*overrides, *SCENARIOS[scenario].get("overrides", [])]))
+    return out
+
+
+def rates_for(scenario: str, nodes: int) -> list[str]:
+    rates = SCENARIOS[scenario]["rates"]
+    return rates * nodes if len(rates) == 1 else [*rates[: nodes - 1], rates[-1]]
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jsonl = out / "tta.jsonl"
+    jsonl.write_text("")
+    workdir = Path(tempfile.mkdtemp(prefix="relaxsync-tta-"))
+    rows = []
+    common = [
+        "experiment=network", "trainer.epochs=1000", "trainer.eval_every=1000", f"trainer.seed={args.seed}",
+        f"trainer.eval_every_steps={args.eval_every}", f"trainer.target_top1={args.target}",
+    ]  # fmt: skip
+    try:
+        with EmulatedNetwork(args.nodes) as net:
+            shaped = None
+            for i, (scenario, key, name, overrides) in enumerate(cells_of(args)):
+                if shaped != scenario:
+                    net.shape(rates_for(scenario, args.nodes))
+                    shaped = scenario
+                print(f"[{time.strftime('%H:%M:%S')}] {scenario:>7}  {name}", flush=True)
+                row = {"scenario": scenario, "algorithm": key, "name": name, "nodes": args.nodes, "target": args.target}
+                try:
+                    job = run_job(
+                        net, [*common, *overrides], args.max_steps, f"{scenario}-{key}", args.port + i, workdir,
+                        args.cell_timeout,
+                    )  # fmt: skip
+                    row.update(time_to_target(job["metrics"], args.target), wall_s=job["wall_s"])
+                    world = next(r for r in job["metrics"] if r["kind"] == "event" and r["event"] == "world")
+                    row["node_of_rank"] = {r: net.node_of(h) for r, h in world["hosts"].items()}
+                    reached = f"{row['seconds']:.0f} s, {row['steps']} steps" if row["reached"] else "not reached"
+                    print(f"  {reached}; best top-1 {row['best_top1']:.2f}%", flush=True)
+                except CellFailed as error:
+                    row["error"] = str(error)
+                    print(f"  failed: {str(error).splitlines()[0]}", flush=True)
+                rows.append(row)
+                with open(jsonl, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Scenarios down, algorithms across: seconds to the target (x allreduce's), steps, MB sent per node."""
+    names: dict[str, str] = {}
+    for r in rows:
+        names.setdefault(r["algorithm"], r["name"])
+    lines = ["| scenario | " + " | ".join(names.values()) + " |", "|---|" + "---|" * len(names)]
+    for scenario in dict.fromkeys(r["scenario"] for r in rows):
+        cells = {r["algorithm"]: r for r in rows if r["scenario"] == scenario}
+        base = cells.get("allreduce", {}).get("seconds")
+        out = []
+        for key in names:
+            r = cells.get(key)
+            if r is None:
+                out.append("")
+            elif "error" in r:
+                out.append("failed")
+            elif not r["reached"]:
+                out.append(f"not reached ({r['best_top1']:.1f}% in {r['trained_s']:.0f} s)")
+            else:
+                ratio = f" ({r['seconds'] / base:.2f}×)" if base else ""
+                out.append(f"{r['seconds']:.0f} s{ratio}, {r['steps']} steps, {r['mb_per_node']:.0f} MB")
+        lines.append(f"| {SCENARIOS[scenario]['label']} | " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for scenario in dict.fromkeys(r["scenario"] for r in rows):
+        fig, ax = plt.subplots(figsize=(9, 5))
+        target = None
+        for r in rows:
+            if r["scenario"] != scenario or "error" in r:
+                continue
+            target = r["target"]
+            xs, ys = [c["s"] for c in r["curve"]], [c["top1"] for c in r["curve"]]
+            style = {"color": "black", "linewidth": 2.5} if r["algorithm"] == "none" else {}
+            dashed = "--" if "relaxed" in r["algorithm"] else "-"
+            ax.plot(xs, ys, marker=".", linestyle=dashed, label=r["name"], **style)
+        if target is not None:
+            ax.axhline(target, color="grey", linewidth=1, linestyle=":", label=f"target {target:g}%")
+        ax.set_xlabel("training seconds (evaluations left out)")
+        ax.set_ylabel("validation top-1 (%)")
+        ax.set_title(f"time to accuracy: {SCENARIOS[scenario]['label']}", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        fig.tight_layout()
+        path = out / f"tta_{scenario}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def report(rows: list[dict[str, Any]], out: Path, command: str) -> str:
+    text = table(rows)
+    (out / "tta.md").write_text(f"{text}\n\n{command}; {machine()}\n")
+    plot(rows, out)
+    return text
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated: {', '.join(SCENARIOS)}")
+    parser.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help=f"comma-separated: {', '.join(ALGORITHMS)}")
+    parser.add_argument("--relaxed", default=",".join(RELAXED), help="the uneven scenario's relaxed-sync cells")
+    parser.add_argument("--nodes", type=int, default=4, choices=(2, 3, 4))
+    parser.add_argument("--target", type=float, default=80.0, help="validation top-1 (%%) to reach")
+    parser.add_argument("--eval-every", type=int, default=4, help="steps between evaluations")
+    parser.add_argument("--max-steps", type=int, default=400, help="a run that has not reached the target stops here")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cell-timeout", type=float, default=900.0, help="seconds before a run counts as failed")
+    parser.add_argument("--port", type=int, default=29700)
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--report", metavar="DIR", help="only redraw the table and plots from DIR/tta.jsonl")
+    args = parser.parse_args(argv)
+    for flag, value, allowed in (
+        ("--scenarios", args.scenarios, SCENARIOS),
+        ("--algorithms", args.algorithms, ALGORITHMS),
+        ("--relaxed", args.relaxed, RELAXED),
+    ):
+        chosen = [v for v in value.split(",") if v]
+        bad = [v for v in chosen if v not in allowed]
+        if bad:
+            parser.error(f"{flag}={value}: {', '.join(bad)} not among {', '.join(allowed)}")
+        setattr(args, flag[2:], chosen)
+    if not 0 < args.target <= 100:
+        parser.error(f"--target={args.target}: a top-1 % in (0, 100]")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.report:
+        out = Path(args.report)
+        rows = [json.loads(line) for line in (out / "tta.jsonl").read_text().splitlines() if line]
+        print(report(rows, out, "python -m bench.tta --report"))
+        return 0
+    reason = unavailable()
+    if reason:
+        print(f"bench.tta: skipped: {reason}", flush=True)
+        return 0
+    started = time.perf_counter()
+    try:
+        rows = run(args)
+    except KeyboardInterrupt:
+        print("bench.tta: interrupted; processes stopped and namespaces removed", flush=True)
+        return 130
+    command = "python -m bench.tta " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(report(rows, Path(args.out), command.strip()))
+    print(f"bench.tta: {(time.perf_counter() - started) / 60:.1f} min; results in {args.out}/tta.jsonl and tta.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
