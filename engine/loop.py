@@ -256,8 +256,10 @@ class Trainer:
                 stop = self.stop.reached(self.step) or (
                     t["max_epochs_per_run"] is not None and epochs_this_run >= t["max_epochs_per_run"]
                 )
-                # (a run that reached its target top-1 ends on the evaluation that showed it)
-                if (self.done() or (finished_epoch and epoch % t["eval_every"] == 0)) and not self.reached_target():
+                # (a run that reached its target top-1 ends on the evaluation that showed it; one on the side at this
+                # very step measured the replicas' average already)
+                again = self.reached_target() or (self.last_eval is not None and self.last_eval["step"] == self.step)
+                if (self.done() or (finished_epoch and epoch % t["eval_every"] == 0)) and not again:
                     self._survive(partial(self.evaluate, epoch), epoch, "evaluation")
                 if self.checkpointer.due(epoch, finished_epoch, self.done(), stop):
                     self._survive(partial(self.save_checkpoint, epoch), epoch, "checkpoint")
