@@ -16,8 +16,8 @@ signal, stuck in a file system or a driver). Either way :meth:`Failures.recover`
 3. every survivor writes where it was (its step, and the part of it: the step up to the optimizer, the
    exchange after it, an evaluation, a checkpoint) and reads the others'. What was in flight is redone on the
    new group when all were at the same point, which is the case unless the peer died inside the last
-   collective of a part that some survivors finished and some did not; then the run stops with an error
-   instead of applying a step on some ranks and not on others.
+   collective of a part that some survivors finished and some did not; then the survivors that got furthest go
+   on and the others leave the run too (status 0), rather than apply a step on some ranks and not on others.
 
 The store lives with torchrun's agent on the first node: if that node dies there is nothing to agree through,
 and the survivors stop with the store's error (README, "Stops, failures and restarts").
@@ -38,6 +38,22 @@ from algorithms.membership import Change, Membership, StoreLoop
 BEAT_S = 0.2  # heartbeat period
 SILENT_S = 2.0  # a rank that has not beaten for this long (10 beats) is gone
 TIMED_OUT = re.compile(r"timed out", re.IGNORECASE)
+
+
+# Where a rank was when a collective failed, in the order the loop goes through them at one value of the step
+# counter: the evaluation, checkpoint and start of an epoch that follow step s - 1, then step s and its exchange.
+PHASES = ("evaluation", "checkpoint", "epoch start", "step", "exchange", "end", "exit")
+
+
+def position(where: list) -> tuple[int, int]:
+    """``[step, phase]`` as a sortable pair."""
+    return where[0], PHASES.index(where[1])
+
+
+def left_behind(where: dict[int, list]) -> tuple[list, list[int]]:
+    """The furthest ``[step, phase]`` of the survivors, and the ranks that were not there."""
+    front = max(where.values(), key=position)
+    return front, sorted(r for r, w in where.items() if w != front)
 
 
 def is_collective_failure(error: BaseException) -> bool:
@@ -146,15 +162,21 @@ class Failures:
         keys = [self._key(generation, f"at/{r}") for r in change.ranks]
         m.store.wait(keys, datetime.timedelta(seconds=self.hang_timeout_s))
         where = {r: json.loads(m.store.get(k)) for r, k in zip(change.ranks, keys)}
+        behind: list[int] = []
         if any(w != here for w in where.values()):
-            raise RuntimeError(
-                f"after rank(s) {change.removed} {agreed['cause']}, the survivors were at different points of the "
-                f"step in flight ([step, part of it] by rank: {where}); redoing it on some ranks only would "
-                f"leave the replicas apart, so the run stops here (trainer.max_restarts or resume continue it)"
-            )
+            # The peer died inside the last collective of a part that some survivors finished and some did not:
+            # those that got furthest hold a state the others cannot reach, so the others leave too (every survivor
+            # read the same positions, so all decide alike) and the front redoes what it was in.
+            front, behind = left_behind(where)
+            at = f"{front[1]} of step {front[0]}"
+            late = {"ranks": behind, "cause": "behind"}
+            left = m.adopt(late, {r: f"could not finish what the others finished before the {at}" for r in behind})
+            assert left is not None  # adopt raises on a rank left behind
+            change = Change(left.generation, sorted(change.removed + behind), left.ranks, change.cause)
         event = {
             "event": "rank_lost",
-            "ranks": change.removed,
+            "ranks": sorted(agreed["ranks"] + behind),
+            "left_behind": behind,  # alive, but one collective short of the others: they left with status 0
             "cause": agreed["cause"],
             "failed_step": agreed["step"],
             "failed_at": agreed["time"],  # wall clock when the first survivor proposed the removal
