@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, ROOT, machine, median
-from bench.netns import IFACE, EmulatedNetwork, parse_rate, unavailable
+from bench.netns import EmulatedNetwork, parse_rate, unavailable
+from bench.network import node_env
 from engine.metrics import read_metrics
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -66,9 +67,7 @@ class Job:
         self.net, self.run_dir, self.port, self.procs = net, run_dir, port, []
         self.nnodes, self.restarts = nnodes, restarts
         run_dir.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-        env.update(GLOO_SOCKET_IFNAME=IFACE, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1")
-        self.env = {**env, **(environ or {})}
+        self.env = {**node_env(), **(environ or {})}
         self.train = [
             "train.py", "experiment=network", "logger=none", "trainer.progress=false", f"trainer.epochs={EPOCHS}",
             "trainer.eval_every=1", f"trainer.run_dir={run_dir}", *overrides,

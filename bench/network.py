@@ -91,6 +91,14 @@ class CellFailed(RuntimeError):
     pass
 
 
+def node_env() -> dict[str, str]:
+    """The environment of a node's torchrun: this one's without a worker's variables, gloo on the namespace's
+    interface, one thread per worker."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(GLOO_SOCKET_IFNAME=IFACE, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1")
+    return env
+
+
 def run_job(
     net: EmulatedNetwork, overrides: list[str], steps: int, job_id: str, port: int, workdir: Path, timeout_s: float
 ) -> dict[str, Any]:
@@ -98,8 +106,7 @@ def run_job(
     returns its metrics and the bytes each node sent (the node logs stay in the run dir)."""
     run_dir = workdir / job_id
     run_dir.mkdir(parents=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(GLOO_SOCKET_IFNAME=IFACE, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1")
+    env = node_env()
     train = [
         "train.py", "logger=none", "trainer.progress=false", "trainer.checkpoint_every=0",
         f"trainer.max_steps={steps}", f"trainer.run_dir={run_dir}", f"trainer.netdev={IFACE}", *overrides,

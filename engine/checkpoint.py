@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 import torch
 
@@ -25,14 +26,19 @@ def checkpoint_dir(run_dir: str) -> str:
 
 
 def save_atomic(state: dict[str, Any], path: str) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename over ``path``: a crash at any
+    """``torch.save`` ``state`` to ``path`` through :func:`write_atomic`."""
+    write_atomic(path, lambda f: torch.save(state, f))
+
+
+def write_atomic(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """``write(f)`` to a temporary file in the same directory, fsync, then rename over ``path``: a crash at any
     point leaves either the old file or the new one, never a torn one."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -96,11 +102,8 @@ class Checkpointer:
         if state is not None:
             save_atomic(state, self.path)
             if stopped_by is not None and self.job is not None:
-                marker = {"job": self.job, "step": step, "signal": stopped_by}
-                fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=os.path.dirname(self.stop_path))
-                with os.fdopen(fd, "w") as f:
-                    json.dump(marker, f)
-                os.replace(tmp, self.stop_path)
+                marker = json.dumps({"job": self.job, "step": step, "signal": stopped_by}).encode()
+                write_atomic(self.stop_path, lambda f: f.write(marker))
 
     def load(self) -> dict[str, Any] | None:
         """The checkpoint to resume from, or None for a fresh run."""

@@ -175,7 +175,7 @@ class Failures:
             change = Change(left.generation, sorted(change.removed + behind), left.ranks, change.cause)
         event = {
             "event": "rank_lost",
-            "ranks": sorted(agreed["ranks"] + behind),
+            "ranks": change.removed,  # the lost ranks and any left behind
             "left_behind": behind,  # alive, but one collective short of the others: they left with status 0
             "cause": agreed["cause"],
             "failed_step": agreed["step"],
