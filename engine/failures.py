@@ -15,9 +15,12 @@ signal, stuck in a file system or a driver). Either way :meth:`Failures.recover`
    touching the new group;
 3. every survivor writes where it was (its step, and the part of it: the step up to the optimizer, the
    exchange after it, an evaluation, a checkpoint) and reads the others'. What was in flight is redone on the
-   new group when all were at the same point, which is the case unless the peer died inside the last
-   collective of a part that some survivors finished and some did not; then the survivors that got furthest go
-   on and the others leave the run too (status 0), rather than apply a step on some ranks and not on others.
+   new group. Usually all survivors were at the same point; when the peer died inside a collective that some
+   survivors finished and some did not, those that got furthest (the front, one collective ahead) go on, and
+   each one left behind is healed from the front: the lowest rank of the front sends it the state a checkpoint
+   would hold, the records it has not written and what the front's part in flight needs, and the rank left
+   behind takes them and enters the loop where the front is (:class:`CatchUp`), as torchft heals a replica from
+   a live peer. Nobody applies a step that the others do not.
 
 The store lives with torchrun's agent on the first node: if that node dies there is nothing to agree through,
 and the survivors stop with the store's error (README, "Stops, failures and restarts").
@@ -29,6 +32,8 @@ import datetime
 import json
 import re
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -51,9 +56,31 @@ def position(where: list) -> tuple[int, int]:
 
 
 def left_behind(where: dict[int, list]) -> tuple[list, list[int]]:
-    """The furthest ``[step, phase]`` of the survivors, and the ranks that were not there."""
+    """The furthest ``[step, phase]`` of the survivors (the front), and the ranks that were not there."""
     front = max(where.values(), key=position)
     return front, sorted(r for r, w in where.items() if w != front)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What the survivors agreed after a failed collective."""
+
+    change: Change  # the ranks removed and the survivors' new group
+    event: dict[str, Any]  # the ``rank_lost`` event, the same on every survivor
+    where: dict[int, list]  # each survivor's ``[step, phase]`` when its collective failed
+    front: list  # the furthest of them, where the survivors go on from
+    behind: list[int]  # survivors one collective short of the front: healed from ``source``
+    source: int  # the lowest rank at the front
+
+
+class CatchUp(Exception):  # noqa: N818 - a control-flow signal, like StopIteration
+    """Raised on a survivor left behind once it holds the front's state: it unwinds to the training loop, which
+    enters again at the front's ``phase`` at ``site`` (an evaluation or checkpoint between steps or at an epoch's
+    end), skipping what comes before it; ``carry`` holds what the skipped parts would have handed on."""
+
+    def __init__(self, step: int, phase: str, site: str, carry: dict[str, Any]):
+        super().__init__(f"catch up at the {phase} of step {step}")
+        self.step, self.phase, self.site, self.carry = step, phase, site, carry
 
 
 def is_collective_failure(error: BaseException) -> bool:
@@ -124,11 +151,10 @@ class Failures:
     def _key(self, generation: int, name: str) -> str:
         return self.membership.key(f"failure{generation}/{name}")
 
-    def recover(self, error: BaseException, step: int, phase: str) -> tuple[Change, dict[str, Any]]:
+    def recover(self, error: BaseException, step: int, phase: str) -> Recovery:
         """Collective over the ranks still alive, after ``error`` (a failed collective) in ``phase`` of ``step``
-        (what the survivors will redo: ``step``, ``exchange``, ``evaluation``...). Returns the change and the
-        ``rank_lost`` event; raises ``LeftRun`` on a rank that was removed, and ``error`` again when no peer is
-        gone (nothing to recover)."""
+        (``step``, ``exchange``, ``evaluation``...). Returns what was agreed; raises ``LeftRun`` on a rank that was
+        removed, and ``error`` again when no peer is gone (nothing to recover)."""
         try:
             return self._recover(error, step, phase)
         except dist.DistError as store_error:  # DistNetworkError, DistStoreError: the store is unreachable
@@ -138,7 +164,7 @@ class Failures:
                 f"probably gone too. Continue from the last checkpoint with trainer.resume=auto"
             ) from error
 
-    def _recover(self, error: BaseException, step: int, phase: str) -> tuple[Change, dict[str, Any]]:
+    def _recover(self, error: BaseException, step: int, phase: str) -> Recovery:
         m, generation = self.membership, self.membership.generation
         cause = "hung" if TIMED_OUT.search(str(error)) else "died"
         decision = self._key(generation, "decision")
@@ -162,28 +188,34 @@ class Failures:
         keys = [self._key(generation, f"at/{r}") for r in change.ranks]
         m.store.wait(keys, datetime.timedelta(seconds=self.hang_timeout_s))
         where = {r: json.loads(m.store.get(k)) for r, k in zip(change.ranks, keys)}
-        behind: list[int] = []
-        if any(w != here for w in where.values()):
-            # The peer died inside the last collective of a part that some survivors finished and some did not:
-            # those that got furthest hold a state the others cannot reach, so the others leave too (every survivor
-            # read the same positions, so all decide alike) and the front redoes what it was in.
-            front, behind = left_behind(where)
-            at = f"{front[1]} of step {front[0]}"
-            late = {"ranks": behind, "cause": "behind"}
-            left = m.adopt(late, {r: f"could not finish what the others finished before the {at}" for r in behind})
-            assert left is not None  # adopt raises on a rank left behind
-            change = Change(left.generation, sorted(change.removed + behind), left.ranks, change.cause)
+        # Every survivor read the same positions, so all agree on the front and on who is healed from it.
+        front, behind = left_behind(where)
         event = {
             "event": "rank_lost",
-            "ranks": change.removed,  # the lost ranks and any left behind
-            "left_behind": behind,  # alive, but one collective short of the others: they left with status 0
+            "ranks": change.removed,
+            "caught_up": behind,  # alive, one collective short of the others: healed from the front
             "cause": agreed["cause"],
             "failed_step": agreed["step"],
             "failed_at": agreed["time"],  # wall clock when the first survivor proposed the removal
             "world_size": len(change.ranks),
-            "redo": phase,
+            "redo": front[1],
         }
-        return change, event
+        source = min(r for r, w in where.items() if w == front)
+        return Recovery(change, event, where, front, behind, source)
+
+    def heal(self, recovery: Recovery, snapshot: Callable[[list], Any]) -> Any:
+        """Collective over the survivors of ``recovery``: its source sends each rank left behind
+        ``snapshot(position)`` (built for where that rank was); returns what this rank received (None on a rank
+        that was not behind). Over the new group, point to point; nothing is sent when nobody is behind."""
+        m = self.membership
+        if m.rank == recovery.source:
+            for r in recovery.behind:
+                dist.send_object_list([snapshot(recovery.where[r])], dst=r, group=m.group)
+        elif m.rank in recovery.behind:
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=recovery.source, group=m.group)
+            return box[0]
+        return None
 
     def _silent_peers(self, generation: int) -> list[int]:
         """Wait until every other active rank has checked in under ``generation`` or been silent for

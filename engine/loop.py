@@ -29,7 +29,7 @@ from algorithms.membership import LeftRun, Membership, host_names
 from data.common import build_data, resumed_step_in_epoch, steps_per_epoch, train_loader, val_loader
 from engine.checkpoint import Checkpointer
 from engine.evaluate import Evaluator
-from engine.failures import Failures, is_collective_failure
+from engine.failures import CatchUp, Failures, is_collective_failure, position
 from engine.metrics import NetdevCounter, NoLogger, Recorder, format_summary, shown
 from engine.optim import LRSchedule, build_optimizer, effective_lr
 from engine.stop import StopRequest
@@ -118,12 +118,8 @@ class Trainer:
         self.stop = StopRequest(self.membership)
         state = self.checkpointer.load()
         if state is not None:
-            self.raw_model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.amp.load_state_dict(state["amp"])
-            self.epoch, self.step = state["epoch"], state["step"]
+            self._load_training_state(state)
             self._resume_position(state)
-            self.last_eval, self.best_eval = state.get("last_eval"), state.get("best_eval")
 
         self.sync = instantiate(cfg["sync"])
         self.sync.setup(self.raw_model, self.optimizer, SyncContext(self.comm, self.membership, self.device))
@@ -133,6 +129,10 @@ class Trainer:
         self._agreed_at_step: int | None = None  # the step at which sync.before_eval() last ran
         self._reshard_next_epoch = False
         self._lost: list[dict[str, Any]] = []  # rank_lost events waiting for the next completed step
+        self._epochs_this_run = 0
+        # The part of the loop in progress, (phase, site, carry): what a survivor left behind needs to enter there.
+        self._at: tuple[str, str, dict[str, Any]] = ("step", "", {})
+        self._entering: CatchUp | None = None  # set on a rank healed from the front until it reaches the front's part
         self.lost_ranks: list[int] = []
         self.build_loaders()
 
@@ -159,6 +159,31 @@ class Trainer:
             f"({self.num_params / 1e6:.2f} M params), sync {self.sync.name}, {self.steps_per_epoch} steps/epoch, "
             f"global batch {self.batch_size * self.world_size}, run dir {shown(run_dir)}"
         )
+
+    def _training_state(self) -> dict[str, Any]:
+        """What every replica needs to go on from here: the checkpoint's content (the config aside)."""
+        return {
+            "model": self.raw_model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "amp": self.amp.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "sync": self.sync.state_dict(),
+            "epoch": self.epoch,
+            "step": self.step,
+            "step_in_epoch": self.step_in_epoch,
+            "epoch_samples": self.epoch_samples,
+            "world_size": self.membership.size,
+            "last_eval": self.last_eval,
+            "best_eval": self.best_eval,
+        }
+
+    def _load_training_state(self, state: dict[str, Any]) -> None:
+        """The replica and the position in the run of a checkpoint or of a peer (:meth:`_training_state`)."""
+        self.raw_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.amp.load_state_dict(state["amp"])
+        self.epoch, self.step = state["epoch"], state["step"]
+        self.last_eval, self.best_eval = state.get("last_eval"), state.get("best_eval")
 
     def _resume_position(self, state: dict[str, Any]) -> None:
         """Where a resumed world stands in its epoch, at the checkpoint's world size or another one (torchrun grew
@@ -240,34 +265,52 @@ class Trainer:
         t = self.cfg["trainer"]
         if self.done():
             return self.already_finished()
-        epochs_this_run = 0
         self.netdev = NetdevCounter(t["netdev"]) if t.get("netdev") else None
         train_start = time.perf_counter()
         self.stop.arm()
         if self.failures is not None:
             self.failures.heartbeat.start()
         try:
-            while not self.done():
+            while True:
+                try:
+                    self.train_epochs()
+                    break
+                except CatchUp:
+                    pass  # this rank now holds the state of the survivors ahead of it: enter where they are
+        finally:
+            self.stop.disarm()
+        return self.finish(time.perf_counter() - train_start)
+
+    def train_epochs(self) -> None:
+        """Epochs, each followed by its evaluation and checkpoint, until the run ends or stops."""
+        t = self.cfg["trainer"]
+        while True:
+            entering = self._entering
+            if entering is not None and entering.phase in ("end", "exit"):
+                return
+            if entering is not None and entering.site == "epoch end":  # the front is past this epoch's steps
+                epoch, finished_epoch, stop = (entering.carry["loop"][k] for k in ("epoch", "finished_epoch", "stop"))
+            else:
+                if self.done():
+                    return
                 epoch = self.epoch + 1  # the epoch in progress, from 1
                 finished_epoch = self.train_epoch(epoch)
                 if finished_epoch:
                     self.epoch, self.step_in_epoch, self.epoch_samples = epoch, 0, 0
-                epochs_this_run += 1
+                self._epochs_this_run += 1
                 stop = self.stop.reached(self.step) or (
-                    t["max_epochs_per_run"] is not None and epochs_this_run >= t["max_epochs_per_run"]
+                    t["max_epochs_per_run"] is not None and self._epochs_this_run >= t["max_epochs_per_run"]
                 )
-                # (a run that reached its target top-1 ends on the evaluation that showed it; one on the side at this
-                # very step measured the replicas' average already)
-                again = self.reached_target() or (self.last_eval is not None and self.last_eval["step"] == self.step)
-                if (self.done() or (finished_epoch and epoch % t["eval_every"] == 0)) and not again:
-                    self._survive(partial(self.evaluate, epoch), epoch, "evaluation")
-                if self.checkpointer.due(epoch, finished_epoch, self.done(), stop):
-                    self._survive(partial(self.save_checkpoint, epoch), epoch, "checkpoint")
-                if stop:
-                    break
-        finally:
-            self.stop.disarm()
-        return self.finish(time.perf_counter() - train_start)
+            carry = {"loop": {"epoch": epoch, "finished_epoch": finished_epoch, "stop": stop}}
+            # (a run that reached its target top-1 ends on the evaluation that showed it; one on the side at this
+            # very step measured the replicas' average already)
+            again = self.reached_target() or (self.last_eval is not None and self.last_eval["step"] == self.step)
+            if (self.done() or (finished_epoch and epoch % t["eval_every"] == 0)) and not again:
+                self._survive(partial(self.evaluate, epoch), epoch, "evaluation", "epoch end", carry)
+            if self.checkpointer.due(epoch, finished_epoch, self.done(), stop):
+                self._survive(partial(self.save_checkpoint, epoch), epoch, "checkpoint", "epoch end", carry)
+            if stop or self.done():
+                return
 
     def already_finished(self) -> dict[str, Any]:
         """A resumed run whose checkpoint is at its end: say so, train nothing, write no summary; return the
@@ -287,7 +330,8 @@ class Trainer:
 
         t = self.cfg["trainer"]
         start = self._survive(partial(self.sync.on_epoch_start, epoch), epoch, "epoch start")
-        self.apply(start, epoch, at_epoch_start=True)  # may change ranks and loaders
+        if start is not None:  # (None on a rank catching up with survivors already past the start of this epoch)
+            self.apply(start, epoch, at_epoch_start=True)  # may change ranks and loaders
         # Per-epoch, per-rank RNG: augmentation and dropout are reproducible on resume from an epoch boundary.
         torch.manual_seed(t["seed"] * 100_003 + epoch * 1_009 + self.rank)
         sampler = self.train_loader.sampler
@@ -307,24 +351,38 @@ class Trainer:
             file=sys.stderr,
         )
         with bar:
+            entering = self._entering
+            if entering is not None and entering.site == "between steps":  # the front is between two steps
+                if self.between_steps(epoch, entering.carry["loop"]["step_s"]):
+                    return self.step_in_epoch >= self.steps_per_epoch
             # Every rank runs the same number of steps, whatever the length of its own shard.
             batches = itertools.islice(self.train_loader, self.steps_per_epoch - self.step_in_epoch)
             tick = time.perf_counter()
-            every, peek = t["checkpoint_every_steps"], t["eval_every_steps"]
             for x, y in batches:
                 record = self.train_step(x, y, epoch, tick)
                 bar.update(1)
                 if self.step % t["log_every"] == 0:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['samples_per_s']:.0f}", refresh=False)
-                if peek and self.step % peek == 0:
-                    self._survive(partial(self.evaluate, epoch, on_the_side=True), epoch, "evaluation")
-                if self.step >= self.max_steps or self.stop.due(self.step, record["step_s"]) or self.reached_target():
+                if self.between_steps(epoch, record["step_s"]):
                     break
-                if every and self.step % every == 0 and self.step_in_epoch < self.steps_per_epoch:
-                    # (at the end of an epoch, the epoch's own checkpoint follows)
-                    self._survive(partial(self.save_checkpoint, epoch), epoch, "checkpoint")
                 tick = time.perf_counter()
         return self.step_in_epoch >= self.steps_per_epoch
+
+    def between_steps(self, epoch: int, step_s: float) -> bool:
+        """After a step (the last taking ``step_s`` seconds): an evaluation on the side, a step checkpoint; returns
+        whether the epoch's steps end here (``max_steps``, a stop, the target top-1)."""
+        t = self.cfg["trainer"]
+        every, peek = t["checkpoint_every_steps"], t["eval_every_steps"]
+        carry = {"loop": {"step_s": step_s}}
+        if peek and self.step % peek == 0:
+            evaluate = partial(self.evaluate, epoch, on_the_side=True)
+            self._survive(evaluate, epoch, "evaluation", "between steps", carry)
+        if self.step >= self.max_steps or self.stop.due(self.step, step_s) or self.reached_target():
+            return True
+        if every and self.step % every == 0 and self.step_in_epoch < self.steps_per_epoch:
+            # (at the end of an epoch, the epoch's own checkpoint follows)
+            self._survive(partial(self.save_checkpoint, epoch), epoch, "checkpoint", "between steps", carry)
+        return False
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, epoch: int, tick: float) -> dict[str, Any]:
         """One optimizer step on batch ``(x, y)``, fetched since ``tick``; returns its train record."""
@@ -334,7 +392,8 @@ class Trainer:
             x = x.contiguous(memory_format=torch.channels_last)
         # Each phase is redone on the survivors' group if a peer is lost in it (trainer.on_failure: continue).
         report, result, slept = self._survive(lambda: self._compute(x, y, epoch, data_s), epoch, "step")
-        report += self._survive(lambda: self.sync.after_optimizer_step(result), epoch, "exchange")
+        exchange = partial(self.sync.after_optimizer_step, result)
+        report += self._survive(exchange, epoch, "exchange", carry={"step": (report, result, slept)})
         counts = self.comm.take()
         step_s = time.perf_counter() - tick
         self.straggler.observe(result.compute_s - slept)
@@ -363,11 +422,25 @@ class Trainer:
         stepped = self.amp.step(self.optimizer, report.grads_finite)
         return report, StepResult(self.step, epoch, loss.item(), lr, stepped, data_s, compute_s), slept
 
-    def _survive(self, run, epoch: int, phase: str):
+    def _survive(self, run, epoch: int, phase: str, site: str = "", carry: dict[str, Any] | None = None):
         """``run()``; if a collective in it fails because a peer is gone, agree with the other survivors on who is
         gone, regroup, and run it again. ``phase`` names what is redone: the ``step`` up to the optimizer, the
         ``exchange`` after it (the optimizer has stepped), an ``evaluation``, a ``checkpoint``, the ``end`` (the
-        replicas' spread), the ``exit`` barrier (after the summary: a loss there is not recorded)."""
+        replicas' spread), the ``exit`` barrier (after the summary: a loss there is not recorded). ``site`` tells
+        apart the places an evaluation or a checkpoint happens (``between steps``, ``epoch end``); ``carry`` is what
+        a rank healed from this one needs to enter here: what the parts before it would have handed on, by phase.
+
+        On a rank catching up with the front (:class:`CatchUp`), every part before the front's returns at once
+        with what the front carried from it (None for most), and the front's own part runs."""
+        entering = self._entering
+        if entering is not None:
+            if (phase, site) != (entering.phase, entering.site):
+                return entering.carry.get(phase)
+            if self.step != entering.step:
+                raise RuntimeError(f"rank {self.rank} entered the {phase} at step {self.step}, not {entering.step}")
+            self._entering = None
+        self._at = (phase, site, carry or {})
+        self.recorder.at = [self.step, phase]
         while True:
             try:
                 result = run()
@@ -378,15 +451,58 @@ class Trainer:
             except Exception as error:
                 if self.failures is None or not is_collective_failure(error):
                     raise
-                detected = time.time()
-                change, event = self.failures.recover(error, self.step, phase)
-                self._lost.append({**event, "detected_at": detected, "lost_state_bytes": self._local_state_bytes()})
-                self.lost_ranks += change.removed
-                self.recorder.console(
-                    f"relaxsync: rank(s) {change.removed} {event['cause']} at step {self.step}; "
-                    f"{len(change.ranks)} ranks go on and redo the {phase}"
-                )
-                self.apply(SyncReport(requests=self._shrink_requests()), epoch)
+                self._recover(error, epoch, phase)
+
+    def _recover(self, error: BaseException, epoch: int, phase: str) -> None:
+        """After ``error`` in ``phase``: agree on who is gone and regroup; on a survivor one collective behind the
+        others, take the state of the first of them and raise :class:`CatchUp`."""
+        detected = time.time()
+        recovery = self.failures.recover(error, self.step, phase)
+        change, event = recovery.change, recovery.event
+        self._lost.append({**event, "detected_at": detected, "lost_state_bytes": self._local_state_bytes()})
+        self.lost_ranks += change.removed
+        healed = ""
+        if recovery.behind:
+            healed = f"; rank(s) {recovery.behind} were a collective behind: they take rank {recovery.source}'s state"
+        self.recorder.console(
+            f"relaxsync: rank(s) {change.removed} {event['cause']} at step {event['failed_step']}; "
+            f"{len(change.ranks)} ranks go on and redo the {event['redo']} of step {recovery.front[0]}{healed}"
+        )
+        self.apply(SyncReport(requests=self._shrink_requests()), epoch)
+        snapshot = self.failures.heal(recovery, partial(self._snapshot, front=recovery.front))
+        if snapshot is not None:
+            self._catch_up(snapshot)
+
+    def _snapshot(self, behind: list, front: list) -> dict[str, Any]:
+        """What a survivor that failed at ``behind`` needs to go on from here, the ``front``: this replica's state
+        and position, the records written since ``behind`` (it may be the logging rank) and this part's carry."""
+        phase, site, carry = self._at
+        records = [r for at, r in self.recorder.history if position(behind) <= position(at) < position(front)]
+        return {
+            "state": self._training_state(),
+            "loop": {
+                "agreed_at_step": self._agreed_at_step,
+                "reshard_next_epoch": self._reshard_next_epoch,
+                "epochs_this_run": self._epochs_this_run,
+            },
+            "records": records,
+            "entry": {"step": self.step, "phase": phase, "site": site, "carry": carry},
+        }
+
+    def _catch_up(self, snapshot: dict[str, Any]) -> None:
+        """Become the replica the front sent (its own per-rank algorithm state stays this rank's), write the records
+        it missed and enter the loop where the front is."""
+        state, loop = snapshot["state"], snapshot["loop"]
+        self._load_training_state(state)
+        self.step_in_epoch, self.epoch_samples = state["step_in_epoch"], state["epoch_samples"]
+        self.sync.load_state_dict(state["sync"])
+        self._agreed_at_step = loop["agreed_at_step"]
+        self._reshard_next_epoch = self._reshard_next_epoch or loop["reshard_next_epoch"]
+        self._epochs_this_run = loop["epochs_this_run"]
+        self.recorder.replay(snapshot["records"])
+        entry = snapshot["entry"]
+        self._entering = CatchUp(entry["step"], entry["phase"], entry["site"], entry["carry"])
+        raise self._entering
 
     def _record_losses(self, epoch: int) -> None:
         """Write the ``rank_lost`` events of losses recovered from, now that what was in flight is done again."""
@@ -495,21 +611,7 @@ class Trainer:
         self._agree_replicas()
         state = None
         if self.membership.is_logging_rank:
-            state = {
-                "model": self.raw_model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "amp": self.amp.state_dict(),
-                "schedule": self.schedule.state_dict(),
-                "sync": self.sync.state_dict(),
-                "epoch": self.epoch,
-                "step": self.step,
-                "step_in_epoch": self.step_in_epoch,
-                "epoch_samples": self.epoch_samples,
-                "world_size": self.membership.size,
-                "last_eval": self.last_eval,
-                "best_eval": self.best_eval,
-                "config": self.cfg,
-            }
+            state = {**self._training_state(), "config": self.cfg}
         stopped_by = self.stop.name if self.stop.reached(self.step) else None
         self.checkpointer.save(state, self.sync.local_state_dict(), self.step, stopped_by)
         if state is not None:
@@ -519,7 +621,12 @@ class Trainer:
         """End of this invocation: the summary record and the console block (logging rank), then a barrier."""
         self.sync.drain()
         self.sync.finalize()
-        spread = self._survive(lambda: self.evaluator.replica_spread(self.raw_model), self.last_epoch, "end")
+        while True:
+            try:
+                spread = self._survive(lambda: self.evaluator.replica_spread(self.raw_model), self.last_epoch, "end")
+                break
+            except CatchUp:
+                pass  # the others measured the spread and wait at the exit: enter there
         summary = None
         if self.membership.is_logging_rank:
             m, totals, last, best = self.membership, self.comm.totals, self.last_eval or {}, self.best_eval or {}
@@ -555,7 +662,7 @@ class Trainer:
             self.recorder.console(format_summary(summary, self.cfg["trainer"], self.run_dir))
         # Every rank waits for the logging rank to finish logging before any of them closes its connections:
         # gloo can abort a process whose peer disappears while it still works.
-        self._survive(self.comm.barrier, self.last_epoch, "exit")
+        self._survive(self.comm.barrier, self.last_epoch, "exit", carry={"end": spread})
         return summary
 
     def close(self, left: bool = False) -> None:

@@ -13,6 +13,7 @@ import os
 import statistics
 import sys
 import time
+from collections import deque
 from typing import Any
 
 from errors import ConfigError, require
@@ -20,6 +21,7 @@ from errors import ConfigError, require
 # Train-record keys that W&B files under comm/ rather than train/ (summary totals stay under summary/).
 COMM_KEYS = ("bytes_sent", "payload_bytes", "comm_s", "wire_bytes")
 CONFIG_FILE = "config.yaml"  # the resolved config, saved in the run dir
+HISTORY = 4096  # records every rank keeps, for a peer that falls behind by a collective and must write them
 
 
 class NetdevCounter:
@@ -185,7 +187,8 @@ class Recorder:
     Every rank holds one; when the logging rank leaves the run, the next lowest opens ``metrics.jsonl`` and
     ``train.log`` (in append mode) and the same W&B run (its id is a function of the run dir) at the next
     membership change. Every rank also keeps the run's step statistics, so whichever rank ends up logging can
-    summarize the whole run."""
+    summarize the whole run, and its latest records (:attr:`history`, each tagged with the ``[step, phase]`` of the
+    loop that wrote it), so that a logging rank healed from a peer after a loss can write the ones it missed."""
 
     def __init__(self, run_dir: str, cfg: dict[str, Any], sync_name: str, membership: Any, logger: ExperimentLogger):
         self.run_dir, self.cfg, self.sync_name = run_dir, cfg, sync_name
@@ -194,6 +197,8 @@ class Recorder:
         self._log: Any = None  # <run dir>/train.log, the console's copy
         self.events: list[dict[str, Any]] = []  # every event record, for the W&B tables at the end
         self.steps = StepStats()
+        self.at: list = [0, "step"]  # where the loop is: [step, phase], set by the trainer
+        self.history: deque[tuple[list, dict[str, Any]]] = deque(maxlen=HISTORY)
         self.elect()
 
     def elect(self) -> None:
@@ -213,11 +218,14 @@ class Recorder:
         """One record to metrics.jsonl and the logger (a no-op off the logging rank)."""
         if record["kind"] == "train":
             self.steps.add(record)
-        if self.writer is None:
-            return
         # The wall clock (seconds since the epoch), for time-to-X measures; in the file only (the record itself
         # may be kept, e.g. the last evaluation in the checkpoint, and must not depend on when it was written).
-        self.writer.write({**record, "time": record.get("time", time.time())})
+        stamped = {**record, "time": record.get("time", time.time())}
+        if record["kind"] != "summary":
+            self.history.append((self.at, stamped))
+        if self.writer is None:
+            return
+        self.writer.write(stamped)
         if record["kind"] != "summary":
             self.logger.log(record, step=step)
 
@@ -229,6 +237,13 @@ class Recorder:
         self.write(record, step)
         if event.get("message"):
             self.console(event["message"])
+
+    def replay(self, records: list[dict[str, Any]]) -> None:
+        """Write records a peer wrote (with their time) as if this rank had: what it missed while behind."""
+        for record in records:
+            if record["kind"] == "event":
+                self.events.append(record)
+            self.write(record, record["step"])
 
     def console(self, message: str) -> None:
         """A line on the logging rank's console (above the progress bar if one is showing) and in train.log."""
