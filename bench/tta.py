@@ -1,24 +1,29 @@
 """Time to accuracy on emulated clusters (needs root): which sync option reaches a validation top-1 first, and at
 what cost in bytes, on the same runs.
 
-    sudo .venv/bin/python -m bench.tta [--scenarios fleet,1gbit,uneven] [--algorithms allreduce,dgc,...] [--target 80]
-                                       [--eval-every 4] [--max-steps 400] [--nodes 4]
-    .venv/bin/python -m bench.tta --report bench/results      # redraw the table and plots from a run's records
+    sudo make bench-tta   # python -m bench.tta with its defaults: 4 nodes, 3 scenarios, the period sweep; ~35 min
+    python -m bench.tta [--scenarios fleet,1gbit,uneven] [--algorithms allreduce,dgc,...] [--relaxed ...]
+                        [--target 95] [--eval-every 2] [--epochs 25] [--sweep localsgd1,...] [--sweep-epochs 8]
+    python -m bench.tta --report bench/results      # redraw the tables and plots from a run's records
 
 Every cell is one multi-node torchrun job on the emulated network of ``bench/network`` (one namespace and one
-worker per node), training ``experiment=network`` from seed 0 with ``trainer.eval_every_steps`` and
-``trainer.target_top1``: it stops at the first evaluation that reaches the target, or at ``--max-steps``.
-Evaluations run on the side (the replicas' average on a copy; training is unchanged by them) and their seconds
-are left out of the clock. Scenarios, rows of the table:
+worker per node), training ``experiment=tta`` (timm's test_resnet on digits at 32 px; its config says why) from
+seed 0 with ``trainer.eval_every_steps`` and ``trainer.target_top1``: it stops at the first evaluation that
+reaches the target, or after ``--epochs`` (the cap, which the LR schedule spans). Evaluations run on the side
+(the replicas' average on a copy; training is unchanged by them) and their seconds are left out of the clock.
+Scenarios, rows of the table:
 
-- ``fleet``: every node at 100 Mbit (the tier that matches Fleet's 1 Gbit tables, BENCHMARKS "bench/network");
+- ``fleet``: every node at 100 Mbit (the tier that matches Fleet's 1 Gbit tables: communication ~5x compute);
 - ``1gbit``: every node at 1 Gbit;
 - ``uneven``: 1 Gbit, but the last node sits behind a 10x slower link (100 Mbit) and rank 1 computes 3x slower
   from epoch 2; each algorithm alone, and some under ``sync=relaxed`` (compute or link measure).
 
 Per cell: seconds of training to the target, steps and epochs to it, MB sent per node to it (counted, and on
-the first node's interface), final and best top-1, evictions. Results: bench/results/tta.jsonl (one line per
-run, with its evaluations), tta.md and tta_<scenario>.png (top-1 against training seconds, target marked).
+the first node's interface), final and best top-1, evictions, samples/s. Then the period sweep, the shape of
+Fleet's local SGD table: local SGD k = 1..16, adaptive, and DiLoCo's H = 8..64 at 100 Mbit for ``--sweep-epochs``
+without a target (throughput, steps and seconds to the target, final top-1). Results: bench/results/tta.jsonl
+(one line per run, with its evaluations), tta.md and tta_<scenario>.png (top-1 against training seconds, target
+marked).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 from bench.common import RESULTS, machine
 from bench.netns import EmulatedNetwork, unavailable
 from bench.network import ALGORITHMS, CellFailed, run_job
+from data.common import steps_per_epoch
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "fleet": {"label": "(a) 100 Mbit", "rates": ["100mbit"]},
@@ -48,7 +54,12 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 DEFAULT_ALGORITHMS = (
     "none,allreduce,powersgd,dgc,localsgd4,localsgd16,adaptive_localsgd,diloco,streaming,sgp_overlap,crossover_overlap"
 )
-# The uneven scenario also runs these under relaxed sync: eviction composed with an exchange.
+DIGITS_TRAIN = 1438  # images in digits' training split (experiment=tta)
+FLEET_SPARSITY = "[0.75,0.9375,0.984375,0.996,0.999]"
+WARMED_UP = {"dgc": "sync", "relaxed_dgc": "sync.inner"}  # the cells that run DGC, and where its section is
+# The uneven scenario also runs these under relaxed sync: eviction composed with an exchange, evicting ranks slower
+# than RELAXED_THRESHOLD x the median.
+RELAXED_THRESHOLD = 2.0
 RELAXED: dict[str, tuple[str, list[str]]] = {
     "relaxed_allreduce": ("relaxed (compute) + allreduce", ["sync=relaxed", "sync.measure=compute"]),
     "relaxed_link_allreduce": ("relaxed (link) + allreduce", ["sync=relaxed", "sync.measure=link"]),
@@ -65,6 +76,16 @@ RELAXED: dict[str, tuple[str, list[str]]] = {
             "sync.inner.quantize=int8",
         ],
     ),  # fmt: skip
+}
+# Fleet's local SGD table in our terms, at the 100 Mbit tier: the averaging period against throughput and top-1,
+# for a fixed number of epochs (no target), with DiLoCo's H beside it. k=1 averages after every step.
+SWEEP: dict[str, tuple[str, list[str]]] = {
+    **{
+        f"localsgd{k}": (f"local SGD k={k}", ["sync=localsgd", "sync.begin_step=0", f"sync.k_steps={k}"])
+        for k in (1, 2, 4, 8, 16)
+    },
+    "adaptive_localsgd": ("adaptive (k0=16)", ["sync=adaptive_localsgd", "sync.begin_step=0", "sync.init_k_steps=16"]),
+    **{f"diloco{h}": (f"DiLoCo H={h}", ["sync=diloco", f"sync.inner_steps={h}"]) for h in (8, 16, 32, 64)},
 }
 
 
@@ -83,6 +104,7 @@ def time_to_target(metrics: list[dict[str, Any]], target: float) -> dict[str, An
     hit = next((c for c in curve if c["top1"] >= target), None)
     to = [r for r in train if hit is None or r["step"] < hit["step"]]
     summary = next((r for r in reversed(metrics) if r["kind"] == "summary"), {})
+    trained_s = sum(r["step_s"] for r in train)
     whole_epoch = any(r["epoch"] > 1 for r in train)  # (steps per epoch are known once the first one ended)
     steps_per_epoch = sum(1 for r in train if r["epoch"] == 1)
     return {
@@ -96,24 +118,45 @@ def time_to_target(metrics: list[dict[str, Any]], target: float) -> dict[str, An
         "best_top1": max(e["top1"] for e in evals),
         "trained_s": curve[-1]["s"],
         "trained_steps": len(train),
+        "samples_per_s": sum(r["samples_per_s"] * r["step_s"] for r in train) / trained_s,  # all samples / all time
         "evictions": summary.get("evictions", 0),
+        "evicted_ranks": summary.get("evicted_ranks", []),
         "curve": curve,
     }
 
 
+def fleet_warmup(nodes: int, section: str) -> list[str]:
+    """DGC's sparsity warm-up as Fleet's examples and bench/dgc_accuracy run it: dense for the first epoch, then
+    0.75, 0.9375, 0.984375 and 0.996 over the next two, then 0.999 (``section``: ``sync`` or ``sync.inner``)."""
+    epoch = steps_per_epoch(DIGITS_TRAIN, nodes, 32)
+    return [
+        f"{section}.rampup_begin_step={epoch}",
+        f"{section}.rampup_step={2 * epoch}",
+        f"{section}.sparsity={FLEET_SPARSITY}",
+    ]
+
+
 def cells_of(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
-    """(scenario, algorithm key, column name, overrides) for every run, in the order they run."""
+    """(scenario, algorithm key, column name, overrides) for every run, in the order they run; the period sweep
+    (scenario ``sweep``) last, on the 100 Mbit tier, for ``--sweep-epochs`` without a target."""
     out = []
     for scenario in args.scenarios:
         keys = list(args.algorithms) + (list(args.relaxed) if scenario == "uneven" else [])
         for key in keys:
             name, overrides = (ALGORITHMS | RELAXED)[key]
-            out.append((scenario, key, name, [*overrides, *SCENARIOS[scenario].get("overrides", [])]))
+            if key in WARMED_UP:  # (bench/network's DGC compresses from step 0)
+                name, overrides = f"{name} (warm-up)", [*overrides, *fleet_warmup(args.nodes, WARMED_UP[key])]
+            run = [f"trainer.epochs={args.epochs}", f"trainer.target_top1={args.target}"]
+            if key in RELAXED:  # (the node is 3x slower: the default threshold, 3x the median, is a coin toss)
+                run.append(f"sync.relaxed_sync_threshold={RELAXED_THRESHOLD}")
+            out.append((scenario, key, name, [*overrides, *SCENARIOS[scenario].get("overrides", []), *run]))
+    fixed = [f"trainer.epochs={args.sweep_epochs}", "trainer.target_top1=null"]
+    out += [("sweep", key, SWEEP[key][0], [*SWEEP[key][1], *fixed]) for key in args.sweep]
     return out
 
 
 def rates_for(scenario: str, nodes: int) -> list[str]:
-    rates = SCENARIOS[scenario]["rates"]
+    rates = SCENARIOS["fleet" if scenario == "sweep" else scenario]["rates"]
     return rates * nodes if len(rates) == 1 else [*rates[: nodes - 1], rates[-1]]
 
 
@@ -125,8 +168,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     workdir = Path(tempfile.mkdtemp(prefix="relaxsync-tta-"))
     rows = []
     common = [
-        "experiment=network", "trainer.epochs=1000", "trainer.eval_every=1000", f"trainer.seed={args.seed}",
-        f"trainer.eval_every_steps={args.eval_every}", f"trainer.target_top1={args.target}",
+        "experiment=tta", f"trainer.seed={args.seed}", f"trainer.eval_every_steps={args.eval_every}",
     ]  # fmt: skip
     try:
         with EmulatedNetwork(args.nodes) as net:
@@ -139,8 +181,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 row = {"scenario": scenario, "algorithm": key, "name": name, "nodes": args.nodes, "target": args.target}
                 try:
                     job = run_job(
-                        net, [*common, *overrides], args.max_steps, f"{scenario}-{key}", args.port + i, workdir,
-                        args.cell_timeout,
+                        net, [*common, *overrides], args.max_steps or 10**9, f"{scenario}-{key}", args.port + i,
+                        workdir, args.cell_timeout,
                     )  # fmt: skip
                     row.update(time_to_target(job["metrics"], args.target), wall_s=job["wall_s"])
                     world = next(r for r in job["metrics"] if r["kind"] == "event" and r["event"] == "world")
@@ -158,8 +200,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def label(scenario: str) -> str:
+    return "period sweep at 100 Mbit, fixed epochs" if scenario == "sweep" else SCENARIOS[scenario]["label"]
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    """Scenarios down, algorithms across: seconds to the target (x allreduce's), steps, MB sent per node."""
+    """Scenarios down, algorithms across: seconds to the target (x allreduce's), steps, MB sent per node; then, per
+    scenario, which algorithm got there first and by how much against allreduce."""
+    rows = [r for r in rows if r["scenario"] != "sweep"]
+    if not rows:
+        return ""
     names: dict[str, str] = {}
     for r in rows:
         names.setdefault(r["algorithm"], r["name"])
@@ -179,7 +229,52 @@ def table(rows: list[dict[str, Any]]) -> str:
             else:
                 ratio = f" ({r['seconds'] / base:.2f}×)" if base else ""
                 out.append(f"{r['seconds']:.0f} s{ratio}, {r['steps']} steps, {r['mb_per_node']:.0f} MB")
-        lines.append(f"| {SCENARIOS[scenario]['label']} | " + " | ".join(out) + " |")
+        lines.append(f"| {label(scenario)} | " + " | ".join(out) + " |")
+    lines.append("")
+    for scenario in dict.fromkeys(r["scenario"] for r in rows):
+        lines.append(f"- {label(scenario)}: {verdict([r for r in rows if r['scenario'] == scenario])}")
+    return "\n".join(lines)
+
+
+def verdict(cells: list[dict[str, Any]]) -> str:
+    """The first to the target and its ratio to allreduce; the algorithms that never got there."""
+    reached = sorted((r for r in cells if r.get("reached")), key=lambda r: r["seconds"])
+    missed = [r["name"] for r in cells if "error" not in r and not r["reached"]]
+    failed = [r["name"] for r in cells if "error" in r]
+    base = next((r["seconds"] for r in reached if r["algorithm"] == "allreduce"), None)
+    if reached:
+        first = reached[0]
+        ratio = (
+            f", {base / first['seconds']:.1f}x faster than allreduce"
+            if base and first["algorithm"] != "allreduce"
+            else ""
+        )
+        text = f"first to the target: {first['name']} ({first['seconds']:.1f} s{ratio})"
+    else:
+        text = "no algorithm reached the target"
+    if missed:
+        text += f"; never reached it: {', '.join(missed)}"
+    if failed:
+        text += f"; failed: {', '.join(failed)}"
+    return text
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> str:
+    """Fleet's local SGD table in our terms: throughput against top-1 per averaging period, DiLoCo's H beside."""
+    rows = [r for r in rows if r["scenario"] == "sweep" and "error" not in r]
+    if not rows:
+        return ""
+    base = next((r["samples_per_s"] for r in rows if r["algorithm"] == "localsgd1"), None)
+    head = "| period | samples/s | × k=1 | MB per node and step | steps to target | s to target | final top-1 | best |"
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        speed = f"{r['samples_per_s'] / base:.2f}" if base else ""
+        per_step = r["mb_per_node"] / max(r["steps"] or r["trained_steps"], 1)  # (bytes up to the target, or all)
+        to = (f"{r['steps']}", f"{r['seconds']:.1f}") if r["reached"] else ("not reached", "")
+        lines.append(
+            f"| {r['name']} | {r['samples_per_s']:.0f} | {speed} | {per_step:.3f} | {to[0]} | {to[1]} "
+            f"| {r['final_top1']:.2f} | {r['best_top1']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -205,7 +300,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
             ax.axhline(target, color="grey", linewidth=1, linestyle=":", label=f"target {target:g}%")
         ax.set_xlabel("training seconds (evaluations left out)")
         ax.set_ylabel("validation top-1 (%)")
-        ax.set_title(f"time to accuracy: {SCENARIOS[scenario]['label']}", fontsize=10)
+        ax.set_title(f"time to accuracy: {label(scenario)}", fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
@@ -217,7 +312,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
 
 
 def report(rows: list[dict[str, Any]], out: Path, command: str) -> str:
-    text = table(rows)
+    text = "\n\n".join(part for part in (table(rows), sweep_table(rows)) if part)
     (out / "tta.md").write_text(f"{text}\n\n{command}; {machine()}\n")
     plot(rows, out)
     return text
@@ -229,9 +324,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help=f"comma-separated: {', '.join(ALGORITHMS)}")
     parser.add_argument("--relaxed", default=",".join(RELAXED), help="the uneven scenario's relaxed-sync cells")
     parser.add_argument("--nodes", type=int, default=4, choices=(2, 3, 4))
-    parser.add_argument("--target", type=float, default=80.0, help="validation top-1 (%%) to reach")
-    parser.add_argument("--eval-every", type=int, default=4, help="steps between evaluations")
-    parser.add_argument("--max-steps", type=int, default=400, help="a run that has not reached the target stops here")
+    parser.add_argument("--target", type=float, default=95.0, help="validation top-1 (%%) to reach")
+    parser.add_argument("--eval-every", type=int, default=2, help="steps between evaluations")
+    parser.add_argument("--epochs", type=int, default=25, help="the cap: a run that has not reached the target stops")
+    parser.add_argument("--max-steps", type=int, default=None, help="also stop a run after this many steps")
+    parser.add_argument("--sweep", default=",".join(SWEEP), help="the period sweep's cells ('' for none)")
+    parser.add_argument("--sweep-epochs", type=int, default=8, help="epochs each sweep cell trains, without a target")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cell-timeout", type=float, default=900.0, help="seconds before a run counts as failed")
     parser.add_argument("--port", type=int, default=29700)
@@ -242,6 +340,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("--scenarios", args.scenarios, SCENARIOS),
         ("--algorithms", args.algorithms, ALGORITHMS),
         ("--relaxed", args.relaxed, RELAXED),
+        ("--sweep", args.sweep, SWEEP),
     ):
         chosen = [v for v in value.split(",") if v]
         bad = [v for v in chosen if v not in allowed]

@@ -142,7 +142,7 @@ def test_time_to_target_leaves_evaluations_out_of_the_clock_and_counts_bytes_up_
     for step in range(6):
         clock += 1.0
         metrics.append({"kind": "train", "step": step, "epoch": 1 + step // 3, "time": clock, "step_s": 1.0,
-                        "bytes_sent": 100e6, "wire_bytes": 105e6})  # fmt: skip
+                        "bytes_sent": 100e6, "wire_bytes": 105e6, "samples_per_s": 32.0 * 2**step})  # fmt: skip
         if step % 2 == 1:
             clock += 0.5
             top1 = {1: 40.0, 3: 81.0, 5: 90.0}[step]
@@ -154,6 +154,7 @@ def test_time_to_target_leaves_evaluations_out_of_the_clock_and_counts_bytes_up_
     assert out["epochs"] == pytest.approx(4 / 3) and out["mb_per_node"] == pytest.approx(400.0)
     assert out["wire_mb_node0"] == pytest.approx(420.0)
     assert out["best_top1"] == 90.0 and out["trained_s"] == pytest.approx(6.0) and out["evictions"] == 1
+    assert out["samples_per_s"] == pytest.approx(32 * 63 / 6)  # all samples over all seconds (not a median: 192)
     assert [c["s"] for c in out["curve"]] == pytest.approx([2.0, 4.0, 6.0])
     never = time_to_target(metrics, target=95.0)
     assert not never["reached"] and never["seconds"] is None and never["mb_per_node"] == pytest.approx(600.0)
