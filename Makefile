@@ -65,7 +65,7 @@ bench-network: $(STAMP) ## every algorithm on emulated slow links, multi-node to
 bench-faults: $(STAMP) ## (root) a dead node, a hung one, SIGTERM, a node joining, vs torchrun's restart: recovery s, lost steps
 	$(PY) -m bench.faults $(ARGS)
 
-bench-tta: $(STAMP) ## (root) time to a target top-1 per sync option on slow and uneven emulated clusters (~35 min)
+bench-tta: $(STAMP) ## (root) time to a target top-1 per sync option on slow and uneven emulated clusters (~32 min)
 	$(PY) -m bench.tta $(ARGS)
 
 clean: ## remove run outputs (keeps .venv)
