@@ -160,13 +160,12 @@ def test_time_to_target_leaves_evaluations_out_of_the_clock_and_counts_bytes_up_
     assert not never["reached"] and never["seconds"] is None and never["mb_per_node"] == pytest.approx(600.0)
 
 
-@pytest.mark.full  # ~2 min; make test checks the arithmetic above, and the two-node job across namespaces
 @pytest.mark.skipif(REASON is not None, reason=f"network emulation unavailable: {REASON}")
 def test_time_to_accuracy_miniature_two_algorithms_on_two_nodes(tmp_path):
     from bench import tta
 
     argv = ["--nodes", "2", "--scenarios", "1gbit", "--algorithms", "allreduce,localsgd4", "--target", "20",
-            "--eval-every", "2", "--max-steps", "80", "--out", str(tmp_path)]  # fmt: skip
+            "--eval-every", "2", "--max-steps", "80", "--sweep", "", "--out", str(tmp_path)]  # fmt: skip
     assert tta.main(argv) == 0
     rows = [json.loads(line) for line in (tmp_path / "tta.jsonl").read_text().splitlines()]
     assert [r["algorithm"] for r in rows] == ["allreduce", "localsgd4"]
