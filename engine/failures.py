@@ -67,10 +67,22 @@ class Recovery:
 
     change: Change  # the ranks removed and the survivors' new group
     event: dict[str, Any]  # the ``rank_lost`` event, the same on every survivor
-    where: dict[int, list]  # each survivor's ``[step, phase]`` when its collective failed
-    front: list  # the furthest of them, where the survivors go on from
-    behind: list[int]  # survivors one collective short of the front: healed from ``source``
-    source: int  # the lowest rank at the front
+    where: dict[int, list]  # each survivor's ``[step, phase]`` when its collective failed (read alike by all)
+
+    @property
+    def front(self) -> list:
+        """The furthest ``[step, phase]``, where the survivors go on from."""
+        return left_behind(self.where)[0]
+
+    @property
+    def behind(self) -> list[int]:
+        """The survivors one collective short of the front: healed from :attr:`source`."""
+        return left_behind(self.where)[1]
+
+    @property
+    def source(self) -> int:
+        """The lowest rank at the front."""
+        return min(r for r, w in self.where.items() if w == self.front)
 
 
 class CatchUp(Exception):  # noqa: N818 - a control-flow signal, like StopIteration
@@ -200,8 +212,7 @@ class Failures:
             "world_size": len(change.ranks),
             "redo": front[1],
         }
-        source = min(r for r, w in where.items() if w == front)
-        return Recovery(change, event, where, front, behind, source)
+        return Recovery(change, event, where)
 
     def heal(self, recovery: Recovery, snapshot: Callable[[list], Any]) -> Any:
         """Collective over the survivors of ``recovery``: its source sends each rank left behind
