@@ -58,8 +58,7 @@ def worker_main(argv: list[str]) -> None:
     """Under torchrun/Slurm: compose the same config without Hydra's per-process output dirs, then train."""
     from hydra import compose, initialize_config_dir
 
-    from engine.launch import external_run_dir
-    from engine.loop import run_worker
+    from engine.launch import external_run_dir, run_worker
 
     try:
         check_override_keys(argv, CONF_DIR)

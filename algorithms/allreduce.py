@@ -17,7 +17,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from algorithms.base import SyncAlgorithm, SyncContext, SyncReport
-from algorithms.comm import Communicator, tensor_bytes
+from distributed.comm import Communicator, tensor_bytes
+from distributed.membership import Change
 from errors import require
 
 
@@ -75,13 +76,14 @@ class AllReduce(SyncAlgorithm):
     def _hook_state(self) -> _HookState:
         return _HookState(self.ctx.comm)
 
-    def on_membership_change(self) -> None:
+    def on_membership_change(self, change: Change) -> SyncReport:
         # DDP is bound to one process group: wrap the same module again over the new group (the survivors'
         # parameters are identical, so the constructor's broadcast changes nothing).
         for p in self.model.parameters():
             p.grad = None  # the old reducer's bucket views
         del self.ddp
         self.module = self._wrap(self.model)
+        return super().on_membership_change(change)
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         ctx = self.ctx

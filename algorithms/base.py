@@ -13,9 +13,9 @@ algorithm it runs. Per optimizer step::
     trainer.apply(report)                                  # then the step's record, with report.metrics
 
 plus ``trainer.apply(sync.on_epoch_start(epoch))`` before each epoch's loader is iterated, ``drain()`` then
-``before_eval()`` before each evaluation and checkpoint, ``on_membership_change()`` after the active ranks
-changed, and ``drain()`` then ``finalize()`` once at the end. The forward pass runs through ``sync.module``,
-read at every step, so an algorithm may rewrap the model.
+``before_eval()`` before each evaluation and checkpoint, ``trainer.apply(sync.on_membership_change(change))``
+after each change of the active ranks, and ``drain()`` then ``finalize()`` once at the end. The forward pass
+runs through ``sync.module``, read at every step, so an algorithm may rewrap the model.
 
 **One way.** A hook receives what it needs as arguments (``after_optimizer_step`` gets the finished step: its
 loss, learning rate, timings) and returns a :class:`SyncReport` with what it measured (``metrics``), what
@@ -24,13 +24,17 @@ happened (``events``) and what it wants the trainer to do (``requests``: :class:
 the trainer; ``SyncContext`` holds only runtime objects (communicator, membership, device). ``apply`` follows
 a membership change, records the events and carries out the requests, in that order.
 
-**Membership.** ``ctx.membership`` (:class:`algorithms.membership.Membership`) owns the active ranks, their
+**Membership.** ``ctx.membership`` (:class:`distributed.membership.Membership`) owns the active ranks, their
 process group, store-based agreement and regrouping. A policy that wants ranks gone (relaxed sync: too slow)
-asks it to remove them; on a removed rank that call raises :class:`algorithms.membership.LeftRun`, which
-unwinds to where the worker runs and ends it with status 0. After any change the trainer calls
-``on_membership_change()`` (rebind whatever holds the old group, e.g. DDP) and reshards evaluation; it
-reshards training too when a hook asks for it (:class:`RebuildTrainLoader`). Algorithms run every collective
-on ``ctx.comm`` (the :class:`algorithms.comm.Communicator` over the active group), never on the world group,
+asks it to remove them; on a removed rank that call raises :class:`distributed.membership.LeftRun`, which
+unwinds to where the worker runs and ends it with status 0. After any change, whoever caused it (an eviction,
+a rank lost under ``trainer.on_failure=continue``), the trainer calls ``on_membership_change(change)``: the
+algorithm rebinds whatever holds the old group (e.g. DDP) and answers with a :class:`SyncReport` whose requests
+the trainer applies like any other hook's. The default answer is the policy after a loss: the survivors cover
+the training set from the next epoch on (:class:`RebuildTrainLoader`) and the LR scales by active / initial
+ranks (:class:`ScaleLR`); relaxed sync answers with its own ``lr_policy``. The trainer reshards evaluation at
+once, and training when asked. It never reads an algorithm's config. Algorithms run every collective
+on ``ctx.comm`` (the :class:`distributed.comm.Communicator` over the active group), never on the world group,
 so bytes and seconds are counted the same way for all of them; the trainer reads and resets those counts
 after every step.
 
@@ -70,8 +74,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from algorithms.comm import Communicator
-from algorithms.membership import Membership
+from distributed.comm import Communicator
+from distributed.membership import Change, Membership
 from errors import ConfigError
 
 
@@ -158,8 +162,12 @@ class SyncAlgorithm:
         self.ctx, self.model, self.optimizer = ctx, model, optimizer
         self.module: nn.Module = model
 
-    def on_membership_change(self) -> None:
-        """The active group changed (``ctx.membership``); rebind whatever holds the old group."""
+    def on_membership_change(self, change: Change) -> SyncReport:
+        """The active ranks changed (``change``; ``ctx.membership`` holds the new group): rebind whatever holds
+        the old group and say what the trainer should do. Default: reshard the training data from the next epoch
+        and scale the LR linearly by active / initial ranks (a subclass that rebinds returns ``super()``'s)."""
+        m = self.ctx.membership
+        return SyncReport(requests=[RebuildTrainLoader(), ScaleLR(m.size / m.initial_size, "linear")])
 
     def on_epoch_start(self, epoch: int) -> SyncReport:
         return SyncReport()
@@ -231,8 +239,8 @@ class Wrapper(SyncAlgorithm):
         self.ctx, self.model, self.optimizer = ctx, model, optimizer
         self.inner.setup(model, optimizer, ctx)
 
-    def on_membership_change(self) -> None:
-        self.inner.on_membership_change()
+    def on_membership_change(self, change: Change) -> SyncReport:
+        return self.inner.on_membership_change(change)
 
     def on_epoch_start(self, epoch: int) -> SyncReport:
         return self.inner.on_epoch_start(epoch)

@@ -30,9 +30,10 @@ import torch.distributed as dist
 from torch import nn
 
 from algorithms.base import SyncContext, SyncReport
-from algorithms.comm import Pending
 from algorithms.gossip import Gossip
-from algorithms.topology import ExponentialGraph, LoadBalancedRandom
+from distributed.comm import Pending
+from distributed.membership import Change
+from distributed.topology import ExponentialGraph, LoadBalancedRandom
 from errors import ConfigError, is_int, require
 from models.factory import create_model
 
@@ -133,8 +134,9 @@ class Crossover(Gossip):
         self.ranges = segment_ranges(model, self.segments)
         self._build_groups()
 
-    def on_membership_change(self) -> None:
+    def on_membership_change(self, change: Change) -> SyncReport:
         self._build_groups()
+        return super().on_membership_change(change)
 
     def _build_groups(self) -> None:
         m = self.ctx.membership

@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from algorithms.base import StepResult, SyncContext, SyncReport
-from algorithms.comm import Pending
 from algorithms.crossover import segment_ranges
 from algorithms.gossip import Replicas
+from distributed.comm import Pending
 from errors import is_int, is_number, require
 
 QUANTIZE = ("none", "fp16", "int8")

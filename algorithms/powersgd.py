@@ -35,8 +35,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 # No `from __future__ import annotations` in this file: DDP checks the comm hook's signature at registration.
 from algorithms.allreduce import AllReduce, _HookState, counted
-from algorithms.base import SyncContext
-from algorithms.comm import Communicator
+from algorithms.base import SyncContext, SyncReport
+from distributed.comm import Communicator
+from distributed.membership import Change
 from errors import is_int, is_number, require
 
 
@@ -204,9 +205,9 @@ class PowerSGD(AllReduce):
         self.buckets = BucketState(self.psgd)
         super().setup(model, optimizer, ctx)
 
-    def on_membership_change(self) -> None:
+    def on_membership_change(self, change: Change) -> SyncReport:
         self.psgd.process_group = self.ctx.comm.group
-        super().on_membership_change()
+        return super().on_membership_change(change)
 
     def _hook_state(self) -> _PowerHookState:
         return _PowerHookState(self.ctx.comm, self.psgd, self.buckets)

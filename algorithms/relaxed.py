@@ -6,7 +6,7 @@ a busy host) sets the pace of all. Relaxed sync measures each rank's *own* time 
 backward up to its last gradient bucket, not the step's wall time, which is the same everywhere because all
 wait for the slowest), shares the times at each check, and evicts the ranks slower than ``threshold`` times a
 reference (median; the minimum when two ranks remain). Eviction itself is the membership service's
-(``algorithms/membership.py``): the ranks agree on the verdict through the c10d store, the survivors form a new
+(``distributed/membership.py``): the ranks agree on the verdict through the c10d store, the survivors form a new
 process group and continue with identical parameters, the evicted ones exit 0. Once the group has shrunk below
 ``relaxed_sync_mode_threshold`` of its initial size, this policy asks the trainer to reshard the training data
 over the survivors and rescale the learning rate; above it, as in CAC, the evicted ranks' shards are simply not
@@ -20,7 +20,7 @@ links, so only a rank whose own link is slow is slow with every peer. Attributin
 or more (with two, both see the same one exchange).
 
 ``RelaxedSync`` is ``sync=relaxed`` (a :class:`~algorithms.base.Wrapper` around the exchange ``inner``);
-``algorithms/cac.py`` is the CAC-compatible API on the same :class:`Eviction` rule.
+``compat/cac.py`` is the CAC-compatible API on the same :class:`Eviction` rule.
 """
 
 from __future__ import annotations
@@ -32,13 +32,15 @@ from typing import Any
 
 import torch
 
-from algorithms.base import RebuildTrainLoader, ScaleLR, StepResult, SyncAlgorithm, SyncReport, Wrapper
-from algorithms.comm import Communicator
+from algorithms.base import RebuildTrainLoader, Request, ScaleLR, StepResult, SyncAlgorithm, SyncReport, Wrapper
+from distributed.comm import Communicator
+from distributed.membership import Change
 from errors import is_int, is_number, require
 
 REFERENCES = ("median", "mean", "min")
 LR_POLICIES = ("linear", "sqrt", "none")
 MEASURES = ("compute", "link")
+EVICTED = "slow"  # the cause of a membership change made by an eviction
 
 
 @dataclass
@@ -117,7 +119,7 @@ class Eviction:
             f"{verdict.reference * 1e3:.1f} ms)"
             for r, t in zip(verdict.ranks, verdict.times)
         }
-        change = m.remove(verdict.evicted, cause="slow", reasons=reasons)  # every rank takes part, even if none
+        change = m.remove(verdict.evicted, cause=EVICTED, reasons=reasons)  # every rank takes part, even if none
         verdict.evicted = change.removed if change else []
         return verdict
 
@@ -198,6 +200,21 @@ class RelaxedSync(Wrapper):
         self._times.append(result.data_s + result.compute_s)
         return super().after_optimizer_step(result)
 
+    def on_membership_change(self, change: Change) -> SyncReport:
+        """After an eviction, as CAC: below ``relaxed_sync_mode_threshold`` of the initial ranks, reshard the
+        training data and rescale the LR by ``lr_policy``. After a rank is lost (``trainer.on_failure=continue``),
+        always: the lost rank's shard must be covered."""
+        super().on_membership_change(change)  # the exchange rebinds to the new group; its answer is replaced
+        m = self.ctx.membership
+        fraction = m.size / m.initial_size
+        if change.cause == EVICTED and fraction >= self.mode_threshold:
+            return SyncReport()
+        requests: list[Request] = [RebuildTrainLoader()]
+        if self.lr_policy != "none":
+            scale = fraction if self.lr_policy == "linear" else math.sqrt(fraction)
+            requests.append(ScaleLR(scale, self.lr_policy))
+        return SyncReport(requests=requests)
+
     def state_dict(self) -> dict[str, Any]:
         # A resumed job starts with all its processes again; only the history is kept.
         return {**super().state_dict(), "evictions": self.evictions}
@@ -246,11 +263,4 @@ class RelaxedSync(Wrapper):
             f"({', '.join(f'{times[str(r)] * 1e3:.1f}' for r in verdict.evicted)} ms vs reference "
             f"{verdict.reference * 1e3:.1f} ms, threshold {self.threshold:g}x); world size now {m.size}"
         )
-        requests = []
-        fraction = m.size / m.initial_size
-        if fraction < self.mode_threshold:  # as CAC: below the mode threshold, reshard and rescale
-            requests.append(RebuildTrainLoader())
-            if self.lr_policy != "none":
-                scale = fraction if self.lr_policy == "linear" else math.sqrt(fraction)
-                requests.append(ScaleLR(scale, self.lr_policy))
-        return SyncReport(events=[check, evict], requests=requests)
+        return SyncReport(events=[check, evict])  # what follows is on_membership_change's to say

@@ -27,10 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from algorithms.base import SyncContext
-from algorithms.comm import Pending
+from algorithms.base import SyncContext, SyncReport
 from algorithms.gossip import Gossip
-from algorithms.topology import build_topology
+from distributed.comm import Pending
+from distributed.membership import Change
+from distributed.topology import build_topology
 from errors import is_int, require
 
 GRAPHS = ("exponential", "ring")
@@ -92,8 +93,9 @@ class SGP(Gossip):
         super().setup(model, optimizer, ctx)
         self.topology = build_topology(self.graph, ctx.membership.size, self.peers_per_itr)
 
-    def on_membership_change(self) -> None:
+    def on_membership_change(self, change: Change) -> SyncReport:
         self.topology = build_topology(self.graph, self.ctx.membership.size, self.peers_per_itr)
+        return super().on_membership_change(change)
 
     def _message(self, step: int) -> tuple[torch.Tensor, list[int], list[int]]:
         """This round's message (a share of the numerator, and of the weight with push-sum), out- and in-peers."""

@@ -23,7 +23,7 @@ import torch
 
 from algorithms.base import SyncContext
 from algorithms.dgc import DGC, keep_count
-from algorithms.membership import Membership
+from distributed.membership import Membership
 from bench.common import RESULTS, machine, median, run, train_records
 
 

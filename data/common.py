@@ -114,3 +114,26 @@ def resumed_step_in_epoch(num_train: int, consumed: int, num_replicas: int, batc
     the smallest shard of the rest, and it is that many steps short of its :func:`steps_per_epoch`."""
     left = ((num_train - consumed) // num_replicas) // batch_size
     return steps_per_epoch(num_train, num_replicas, batch_size) - left
+
+
+class Loaders:
+    """The training and validation loaders of one rank, sharded over the active ranks."""
+
+    def __init__(self, data: DataBundle, batch_size: int, num_workers: int, seed: int):
+        self.data, self.batch_size, self.num_workers, self.seed = data, batch_size, num_workers, seed
+        self.train: DataLoader | None = None
+        self.val: DataLoader | None = None
+        self.steps_per_epoch = 0
+
+    def build(self, num_replicas: int, rank: int, train: bool = True) -> None:
+        """Shard the validation set (and, if ``train``, the training set) over ``num_replicas`` ranks."""
+        if train:
+            self.train = train_loader(self.data.train, self.batch_size, self.num_workers, num_replicas, rank, self.seed)
+            self.steps_per_epoch = steps_per_epoch(len(self.data.train), num_replicas, self.batch_size)
+        self.val = val_loader(self.data.val, self.batch_size, self.num_workers, num_replicas, rank)
+
+    def start_epoch(self, epoch: int, skip: int = 0) -> None:
+        """The training permutation of epoch ``epoch``, without its first ``skip`` samples (trained on already)."""
+        self.train.sampler.set_epoch(epoch)
+        if skip:
+            self.train.sampler.skip(skip)

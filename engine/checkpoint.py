@@ -63,10 +63,13 @@ def resolve_resume(resume: str | None, run_dir: str) -> str | None:
 
 
 class Checkpointer:
-    """When to checkpoint, what each rank writes, and what a resumed rank reads back."""
+    """When to checkpoint (every ``trainer.checkpoint_every`` epochs and ``checkpoint_every_steps`` steps, at the end,
+    at a stop), what each rank writes, and what a resumed rank reads back."""
 
-    def __init__(self, run_dir: str, rank: int, checkpoint_every: int, resume: str | None):
-        self.rank, self.every = rank, checkpoint_every
+    def __init__(
+        self, run_dir: str, rank: int, checkpoint_every: int, resume: str | None, every_steps: int = 0, config=None
+    ):
+        self.rank, self.every, self.every_steps, self.config = rank, checkpoint_every, every_steps, config
         self.path = os.path.join(checkpoint_dir(run_dir), LAST)
         # A world restarted by the elastic agent continues from the newest checkpoint of the run dir, whatever
         # trainer.resume said: after a failure (torchrun --max-restarts, trainer.max_restarts), and when the agents
@@ -90,6 +93,11 @@ class Checkpointer:
         ``checkpoint_every`` epochs."""
         return last or stop or bool(self.every and finished_epoch and epoch % self.every == 0)
 
+    def due_between_steps(self, step: int, step_in_epoch: int, steps_per_epoch: int) -> bool:
+        """After step ``step`` (steps completed), every ``checkpoint_every_steps``; at the end of an epoch the epoch's
+        own checkpoint follows instead."""
+        return bool(self.every_steps) and step % self.every_steps == 0 and step_in_epoch < steps_per_epoch
+
     def local_path(self, checkpoint_path: str) -> str:
         return os.path.join(os.path.dirname(checkpoint_path), f"sync_rank{self.rank}.pt")
 
@@ -105,6 +113,16 @@ class Checkpointer:
                 marker = json.dumps({"job": self.job, "step": step, "signal": stopped_by}).encode()
                 write_atomic(self.stop_path, lambda f: f.write(marker))
 
+    def save_stateful(self, stateful: Any, local: dict[str, Any], step: int, stopped_by: str | None, writes: bool):
+        """:meth:`save` of ``stateful.state_dict()`` (the trainer's; its ``loop`` part, the invocation's own, is left
+        out) with the resolved config, written by the rank that ``writes`` (the logging rank); returns ``writes``."""
+        state = None
+        if writes:
+            state = {**stateful.state_dict(), "config": self.config}
+            state.pop("loop", None)
+        self.save(state, local, step, stopped_by)
+        return writes
+
     def load(self) -> dict[str, Any] | None:
         """The checkpoint to resume from, or None for a fresh run."""
         return load(self.resume_path) if self.resume_path else None
@@ -119,3 +137,29 @@ class Checkpointer:
         if own["step"] != step:
             return None, f"{path} is from step {own['step']}, the checkpoint from step {step}"
         return own["sync"], path
+
+    def restore_sync(self, sync: Any, state: dict[str, Any], device: torch.device) -> None:
+        """The sync algorithm's shared state from the checkpoint ``state``, and this rank's own if it saved one."""
+        sync.load_state_dict(state["sync"])
+        own, where = self.load_local(state["step"], device)
+        if own is not None:
+            sync.load_local_state_dict(own)
+        elif sync.local_state_dict():
+            print(f"relaxsync: rank {self.rank}: {where}; {sync.name}'s own state starts fresh", flush=True)
+
+    def resumed(self, before: int | None, world_size: int, run: Any, epochs: int) -> tuple[dict[str, Any], str]:
+        """The ``resume`` event and the console line of a run of ``world_size`` ranks resumed at ``run`` (an
+        ``engine.state.RunState``) from a checkpoint written by ``before`` ranks (None: as many)."""
+        path, restart, before = self.resume_path, self.restart, before or world_size
+        event = {"event": "resume", "path": path, "restart": restart, "world_size_before": before}
+        after = f" in torchrun job {self.job} after its stop" if self.rejoined else ""
+        after = after or (f" after restart {restart}" if restart else "")
+        grown = f", {before} -> {world_size} ranks" if before != world_size else ""
+        where = f"step {run.step} (epoch {run.epoch + 1} of {epochs}{grown})"
+        return event, f"relaxsync: resumed{after} from {where} of {path}"
+
+    def finished(self, run: Any, epochs: int) -> str:
+        """The line of a run resumed from a checkpoint at its end (``run``, an ``engine.state.RunState``)."""
+        top1 = f"; final top-1 {run.last_eval['top1']:.2f}%" if run.last_eval else ""
+        where = f"step {run.step}, epoch {run.last_epoch} of {epochs}"
+        return f"relaxsync: already finished: {self.resume_path} is at {where}{top1}; nothing to train"

@@ -1,4 +1,5 @@
-"""Evaluation: accuracy over the whole validation set (each sample exactly once), the replicas' own accuracy,
+"""Evaluation: when to evaluate and what an evaluation records (:class:`Evaluation`), and the measures themselves
+(:class:`Evaluator`): accuracy over the whole validation set (each sample exactly once), the replicas' own accuracy,
 and how far apart the replicas' parameters are.
 
 Every rank evaluates its unpadded shard of the validation set (``data.common.ShardSampler``) and the sums are
@@ -7,12 +8,14 @@ allreduced over the active ranks, so ``num_samples`` is exactly the size of the 
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from algorithms.comm import Communicator
+from distributed.comm import Communicator
 
 
 class Evaluator:
@@ -64,3 +67,86 @@ class Evaluator:
         prints = self.comm.all_gather(fingerprint)
         self.comm.take()
         return max(float((p - prints[0]).abs().max()) for p in prints)
+
+
+def reached_target(run: Any, trainer_cfg: dict[str, Any]) -> bool:
+    """Whether an evaluation of ``run`` (an ``engine.state.RunState``) reached ``trainer.target_top1``."""
+    target, best = trainer_cfg["target_top1"], run.best_eval
+    return target is not None and best is not None and best["top1"] >= target
+
+
+class Evaluation:
+    """When the trainer evaluates and what it records: every ``trainer.eval_every`` epochs and at the end of the run,
+    on the side every ``trainer.eval_every_steps`` steps (of the replicas' average formed on a copy, leaving training
+    untouched), the best evaluation, and ``trainer.target_top1``, which ends the run at the first evaluation that
+    reaches it. Results go to ``run`` (an ``engine.state.RunState``: last and best) and to ``recorder``."""
+
+    def __init__(self, trainer_cfg: dict[str, Any], evaluator: Evaluator, run: Any, recorder: Any):
+        self.every, self.every_steps = trainer_cfg["eval_every"], trainer_cfg["eval_every_steps"]
+        self.trainer_cfg, self.target = trainer_cfg, trainer_cfg["target_top1"]
+        self.evaluator, self.run, self.recorder = evaluator, run, recorder
+
+    def reached_target(self) -> bool:
+        """Whether an evaluation reached ``trainer.target_top1`` (kept in the checkpoint's best evaluation)."""
+        return reached_target(self.run, self.trainer_cfg)
+
+    def due_on_the_side(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def due_at_epoch_end(self, epoch: int, finished_epoch: bool, last: bool) -> bool:
+        """After epoch ``epoch`` (from 1), ``last`` when the run ends there. Not again when the run reached its
+        target (it ends on the evaluation that showed it), nor when one on the side just measured this step."""
+        last_eval = self.run.last_eval
+        again = self.reached_target() or (last_eval is not None and last_eval["step"] == self.run.step)
+        return (last or (finished_epoch and epoch % self.every == 0)) and not again
+
+    def evaluate(
+        self, epoch: int, model: Any, replicas: bool, loader: Any, settle: Callable, on_the_side: bool
+    ) -> dict:
+        """Top-1/top-5 and loss of ``model`` over the whole validation set, each sample counted exactly once; with
+        ``replicas`` that differ (gossip), also each replica's own accuracy before they are brought together
+        (``settle()``, or on the side their average on a copy)."""
+        start = time.perf_counter()
+        extra = {}
+        if replicas:
+            replica = self.evaluator.measure(model, loader)
+            extra = {"replica_loss": replica["loss"], "replica_top1": replica["top1"]}
+        if on_the_side:
+            whole = self.evaluator.measure_average(model, loader)
+        else:
+            settle()
+            whole = self.evaluator.measure(model, loader)
+        result = {
+            "kind": "eval",
+            "epoch": epoch,
+            "step": self.run.step,
+            "loss": whole["loss"],
+            "top1": whole["top1"],
+            "top5": whole["top5"],
+            "num_samples": int(whole["count"]),
+            **extra,
+            "eval_s": time.perf_counter() - start,  # (time-to-accuracy measures leave it out)
+        }
+        if on_the_side:
+            result["on_the_side"] = True
+        if self.recorder.netdev is not None:  # what the interface sent for it, kept out of the next step's
+            result["wire_bytes"] = self.recorder.netdev.delta()
+        self._keep(result)
+        note = f", replicas' own top1 {extra['replica_top1']:.2f}%" if extra else ""
+        self.recorder.console(
+            f"eval epoch {epoch}: top1 {result['top1']:.2f}% top5 {result['top5']:.2f}% "
+            f"loss {result['loss']:.4f} ({result['num_samples']} samples){note}"
+        )
+        return result
+
+    def _keep(self, result: dict[str, Any]) -> None:
+        """Last and best evaluation; the record; a line when it reaches the target."""
+        reached = self.reached_target()
+        self.run.last_eval = result
+        if self.run.best_eval is None or result["top1"] > self.run.best_eval["top1"]:
+            self.run.best_eval = result
+        if self.reached_target() and not reached:
+            self.recorder.console(
+                f"relaxsync: target top-1 {self.target}% reached at step {self.run.step}; the run ends here"
+            )
+        self.recorder.write(result, self.run.step)

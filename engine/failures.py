@@ -1,5 +1,6 @@
 """Shrink in place (``trainer.on_failure: continue``): when a peer dies or hangs, the survivors agree who is gone,
-form a new group and redo the step they were in, under whatever sync algorithm runs.
+form a new group and redo the part of the loop they were in, under whatever sync algorithm runs. This module is
+the agreement; ``engine/guard.py`` is the component that wraps the loop's parts in it.
 
 Every collective of such a run has a deadline, ``trainer.hang_timeout_s`` (the timeout of the training process
 group), and every rank beats a counter in the c10d store from a background thread (:class:`Heartbeat`). When a
@@ -13,17 +14,15 @@ signal, stuck in a file system or a driver). Either way :meth:`Failures.recover`
    agreed: the survivors form a new group; a removed rank that is still alive (a hung one that wakes up) finds
    the decision already made when its own collective fails, and leaves with status 0 (``LeftRun``) without
    touching the new group;
-3. every survivor writes where it was (its step, and the part of it: the step up to the optimizer, the
-   exchange after it, an evaluation, a checkpoint) and reads the others'. What was in flight is redone on the
-   new group. Usually all survivors were at the same point; when the peer died inside a collective that some
-   survivors finished and some did not, those that got furthest (the front, one collective ahead) go on, and
-   each one left behind is healed from the front: the lowest rank of the front sends it the state a checkpoint
-   would hold, the records it has not written and what the front's part in flight needs, and the rank left
-   behind takes them and enters the loop where the front is (:class:`CatchUp`), as torchft heals a replica from
-   a live peer. Nobody applies a step that the others do not.
+3. every survivor writes where it was (its :class:`Position`: the step, and the :class:`Phase` of it) and reads
+   the others'. What was in flight is redone on the new group. Usually all survivors were at the same point;
+   when the peer died inside a collective that some survivors finished and some did not, those that got
+   furthest (the front, one collective ahead) go on, and each one left behind is healed from the front
+   (:meth:`Failures.heal`): the lowest rank of the front sends it what it needs to enter the loop where the front
+   is, as torchft heals a replica from a live peer. Nobody applies a step that the others do not.
 
 The store lives with torchrun's agent on the first node: if that node dies there is nothing to agree through,
-and the survivors stop with the store's error (README, "Stops, failures and restarts").
+and the survivors stop with the store's error (docs/failures.md).
 """
 
 from __future__ import annotations
@@ -32,33 +31,62 @@ import datetime
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch.distributed as dist
 
-from algorithms.membership import Change, Membership, StoreLoop
+from distributed.membership import Change, Membership, StoreLoop
 
 BEAT_S = 0.2  # heartbeat period
 SILENT_S = 2.0  # a rank that has not beaten for this long (10 beats) is gone
 TIMED_OUT = re.compile(r"timed out", re.IGNORECASE)
 
 
-# Where a rank was when a collective failed, in the order the loop goes through them at one value of the step
-# counter: the evaluation, checkpoint and start of an epoch that follow step s - 1, then step s and its exchange.
-PHASES = ("evaluation", "checkpoint", "epoch start", "step", "exchange", "end", "exit")
+class Phase(Enum):
+    """The parts of the loop a collective can fail in, in the order the loop goes through them at one value of the
+    step counter: the evaluation, checkpoint and start of an epoch that follow step s - 1, then step s up to the
+    optimizer step and its exchange after it; at the end of the run the replicas' spread and the exit barrier."""
+
+    EVALUATION = "evaluation"
+    CHECKPOINT = "checkpoint"
+    EPOCH_START = "epoch start"
+    STEP = "step"
+    EXCHANGE = "exchange"
+    END = "end"
+    EXIT = "exit"
 
 
-def position(where: list) -> tuple[int, int]:
-    """``[step, phase]`` as a sortable pair."""
-    return where[0], PHASES.index(where[1])
+_ORDER = {phase: i for i, phase in enumerate(Phase)}
 
 
-def left_behind(where: dict[int, list]) -> tuple[list, list[int]]:
+@dataclass(frozen=True)
+class Position:
+    """Where a rank is in the run: the step counter and the part of the loop at it."""
+
+    step: int
+    phase: Phase
+
+    @classmethod
+    def read(cls, wire: Sequence) -> Position:
+        """From its form in the store, ``[step, phase]``."""
+        return cls(int(wire[0]), Phase(wire[1]))
+
+    def wire(self) -> list:
+        return [self.step, self.phase.value]
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Sorts positions in the order the loop reaches them."""
+        return self.step, _ORDER[self.phase]
+
+
+def left_behind(where: dict[int, Sequence]) -> tuple[Sequence, list[int]]:
     """The furthest ``[step, phase]`` of the survivors (the front), and the ranks that were not there."""
-    front = max(where.values(), key=position)
-    return front, sorted(r for r, w in where.items() if w != front)
+    front = max(where.values(), key=lambda w: Position.read(w).key)
+    return front, sorted(r for r, w in where.items() if list(w) != list(front))
 
 
 @dataclass(frozen=True)
@@ -70,9 +98,9 @@ class Recovery:
     where: dict[int, list]  # each survivor's ``[step, phase]`` when its collective failed (read alike by all)
 
     @property
-    def front(self) -> list:
-        """The furthest ``[step, phase]``, where the survivors go on from."""
-        return left_behind(self.where)[0]
+    def front(self) -> Position:
+        """The furthest position, where the survivors go on from."""
+        return Position.read(left_behind(self.where)[0])
 
     @property
     def behind(self) -> list[int]:
@@ -82,17 +110,8 @@ class Recovery:
     @property
     def source(self) -> int:
         """The lowest rank at the front."""
-        return min(r for r, w in self.where.items() if w == self.front)
-
-
-class CatchUp(Exception):  # noqa: N818 - a control-flow signal, like StopIteration
-    """Raised on a survivor left behind once it holds the front's state: it unwinds to the training loop, which
-    enters again at the front's ``phase`` at ``site`` (an evaluation or checkpoint between steps or at an epoch's
-    end), skipping what comes before it; ``carry`` holds what the skipped parts would have handed on."""
-
-    def __init__(self, step: int, phase: str, site: str, carry: dict[str, Any]):
-        super().__init__(f"catch up at the {phase} of step {step}")
-        self.step, self.phase, self.site, self.carry = step, phase, site, carry
+        front = self.front
+        return min(r for r, w in self.where.items() if Position.read(w) == front)
 
 
 def is_collective_failure(error: BaseException) -> bool:
@@ -163,20 +182,19 @@ class Failures:
     def _key(self, generation: int, name: str) -> str:
         return self.membership.key(f"failure{generation}/{name}")
 
-    def recover(self, error: BaseException, step: int, phase: str) -> Recovery:
-        """Collective over the ranks still alive, after ``error`` (a failed collective) in ``phase`` of ``step``
-        (``step``, ``exchange``, ``evaluation``...). Returns what was agreed; raises ``LeftRun`` on a rank that was
-        removed, and ``error`` again when no peer is gone (nothing to recover)."""
+    def recover(self, error: BaseException, at: Position) -> Recovery:
+        """Collective over the ranks still alive, after ``error`` (a failed collective) at ``at``. Returns what was
+        agreed; raises ``LeftRun`` on a rank that was removed, and ``error`` again when no peer is gone."""
         try:
-            return self._recover(error, step, phase)
+            return self._recover(error, at)
         except dist.DistError as store_error:  # DistNetworkError, DistStoreError: the store is unreachable
             raise RuntimeError(
-                f"rank {self.membership.rank} lost a peer at step {step} and cannot reach the c10d store to agree "
+                f"rank {self.membership.rank} lost a peer at step {at.step} and cannot reach the c10d store to agree "
                 f"with the others ({store_error}); the store lives with torchrun's agent on the first node, which is "
                 f"probably gone too. Continue from the last checkpoint with trainer.resume=auto"
             ) from error
 
-    def _recover(self, error: BaseException, step: int, phase: str) -> Recovery:
+    def _recover(self, error: BaseException, at: Position) -> Recovery:
         m, generation = self.membership, self.membership.generation
         cause = "hung" if TIMED_OUT.search(str(error)) else "died"
         decision = self._key(generation, "decision")
@@ -188,15 +206,19 @@ class Failures:
             # A survivor waiting on another survivor times out even when the peer died: it died if anyone saw
             # its connection close.
             seen = [m.store.get(self._key(generation, f"in/{r}")).decode() for r in m.ranks if r not in gone]
-            proposal = {"ranks": gone, "cause": "died" if "died" in seen else "hung", "step": step, "time": time.time()}
+            proposal = {
+                "ranks": gone,
+                "cause": "died" if "died" in seen else "hung",
+                "step": at.step,
+                "time": time.time(),
+            }
             agreed = m.propose(f"failure{generation}/decision", proposal)
         if not agreed["ranks"]:
             raise error
         what = f"as {agreed['cause']} at step {agreed['step']}"
         change = m.adopt(agreed, {r: f"was removed from the run {what}" for r in agreed["ranks"]})
         assert change is not None  # adopt raises on a removed rank, and the agreed ranks were active
-        here = [step, phase]
-        m.store.set(self._key(generation, f"at/{m.rank}"), json.dumps(here))
+        m.store.set(self._key(generation, f"at/{m.rank}"), json.dumps(at.wire()))
         keys = [self._key(generation, f"at/{r}") for r in change.ranks]
         m.store.wait(keys, datetime.timedelta(seconds=self.hang_timeout_s))
         where = {r: json.loads(m.store.get(k)) for r, k in zip(change.ranks, keys)}
@@ -214,14 +236,14 @@ class Failures:
         }
         return Recovery(change, event, where)
 
-    def heal(self, recovery: Recovery, snapshot: Callable[[list], Any]) -> Any:
+    def heal(self, recovery: Recovery, snapshot: Callable[[Position], Any]) -> Any:
         """Collective over the survivors of ``recovery``: its source sends each rank left behind
         ``snapshot(position)`` (built for where that rank was); returns what this rank received (None on a rank
         that was not behind). Over the new group, point to point; nothing is sent when nobody is behind."""
         m = self.membership
         if m.rank == recovery.source:
             for r in recovery.behind:
-                dist.send_object_list([snapshot(recovery.where[r])], dst=r, group=m.group)
+                dist.send_object_list([snapshot(Position.read(recovery.where[r]))], dst=r, group=m.group)
         elif m.rank in recovery.behind:
             box: list[Any] = [None]
             dist.recv_object_list(box, src=recovery.source, group=m.group)

@@ -7,23 +7,52 @@ import os
 import sys
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from engine.loop import run_worker
-from engine.stop import stopped_by
+from distributed.membership import LeftRun
+from engine.loop import Trainer
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    """What a worker process returns to the launcher."""
+
+    summary: dict[str, Any] | None  # the logging rank's summary record
+    stopped_by: str | None  # the signal the run stopped on, checkpointed at the agreed step
+
+
+@record
+def run_worker(cfg: dict[str, Any], run_dir: str) -> WorkerResult:
+    """Entry point of every worker process (elastic launcher, torchrun or Slurm). A rank that leaves the run
+    (``LeftRun``: evicted, or given up by the others) ends with status 0."""
+    trainer = Trainer(cfg, run_dir)
+    left = False
+    try:
+        summary = trainer.fit()
+        return WorkerResult(summary, trainer.stop.stopped_by(trainer.step))
+    except LeftRun:
+        left = True  # it said why when it left
+        return WorkerResult(None, None)
+    finally:
+        trainer.close(left)
 
 
 def local_worker(entrypoint: Callable[..., Any], cfg: dict[str, Any], run_dir: str) -> Any:
-    """A local worker process. After a stop on a signal (checkpoint written, files closed) it exits at once: the
-    agent, shutting down, no longer reads results, and a worker that waited for it would be killed after 30 s."""
+    """A local worker process; returns the summary (logging rank). After a stop on a signal (checkpoint written,
+    files closed) it exits at once: the agent, shutting down, no longer reads results, and a worker that waited for
+    it would be killed after 30 s."""
     result = entrypoint(cfg, run_dir)
-    if stopped_by():
+    if not isinstance(result, WorkerResult):  # (another entrypoint: what it returns)
+        return result
+    if result.stopped_by:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    return result
+    return result.summary
 
 
 def under_external_launcher(env: os._Environ | dict = os.environ) -> bool:

@@ -13,7 +13,7 @@ import os
 import statistics
 import sys
 import time
-from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from errors import ConfigError, require
@@ -21,7 +21,6 @@ from errors import ConfigError, require
 # Train-record keys that W&B files under comm/ rather than train/ (summary totals stay under summary/).
 COMM_KEYS = ("bytes_sent", "payload_bytes", "comm_s", "wire_bytes")
 CONFIG_FILE = "config.yaml"  # the resolved config, saved in the run dir
-HISTORY = 4096  # records every rank keeps, for a peer that falls behind by a collective and must write them
 
 
 class NetdevCounter:
@@ -187,8 +186,8 @@ class Recorder:
     Every rank holds one; when the logging rank leaves the run, the next lowest opens ``metrics.jsonl`` and
     ``train.log`` (in append mode) and the same W&B run (its id is a function of the run dir) at the next
     membership change. Every rank also keeps the run's step statistics, so whichever rank ends up logging can
-    summarize the whole run, and its latest records (:attr:`history`, each tagged with the ``[step, phase]`` of the
-    loop that wrote it), so that a logging rank healed from a peer after a loss can write the ones it missed."""
+    summarize the whole run, and hands every record it writes to its :attr:`observers` (the failure guard keeps
+    the latest, for a logging rank healed from a peer that must write the ones it missed)."""
 
     def __init__(self, run_dir: str, cfg: dict[str, Any], sync_name: str, membership: Any, logger: ExperimentLogger):
         self.run_dir, self.cfg, self.sync_name = run_dir, cfg, sync_name
@@ -197,8 +196,8 @@ class Recorder:
         self._log: Any = None  # <run dir>/train.log, the console's copy
         self.events: list[dict[str, Any]] = []  # every event record, for the W&B tables at the end
         self.steps = StepStats()
-        self.at: list = [0, "step"]  # where the loop is: [step, phase], set by the trainer
-        self.history: deque[tuple[list, dict[str, Any]]] = deque(maxlen=HISTORY)
+        self.observers: list[Callable[[dict[str, Any]], None]] = []  # called with every record, on every rank
+        self.netdev: NetdevCounter | None = None  # trainer.netdev: the interface whose bytes records carry
         self.elect()
 
     def elect(self) -> None:
@@ -221,13 +220,12 @@ class Recorder:
         # The wall clock (seconds since the epoch), for time-to-X measures; in the file only (the record itself
         # may be kept, e.g. the last evaluation in the checkpoint, and must not depend on when it was written).
         stamped = {**record, "time": record.get("time", time.time())}
-        if record["kind"] != "summary":
-            self.history.append((self.at, stamped))
-        if self.writer is None:
-            return
-        self.writer.write(stamped)
-        if record["kind"] != "summary":
-            self.logger.log(record, step=step)
+        if self.writer is not None:
+            self.writer.write(stamped)
+            if record["kind"] != "summary":
+                self.logger.log(record, step=step)
+        for observe in self.observers:
+            observe(stamped)
 
     def event(self, event: dict[str, Any], epoch: int, step: int) -> None:
         """An event record (``epoch`` 1-based, as everywhere a user reads); its ``message``, if any, also goes to
@@ -237,6 +235,64 @@ class Recorder:
         self.write(record, step)
         if event.get("message"):
             self.console(event["message"])
+
+    def count_wire_bytes(self, interface: str | None) -> None:
+        """From now on, records carry what ``interface`` sent since the previous one (``trainer.netdev``)."""
+        self.netdev = NetdevCounter(interface) if interface else None
+
+    def train_record(
+        self,
+        result: Any,
+        counts: Any,
+        metrics: dict[str, float],
+        world: int,
+        batch: int,
+        step_s: float,
+        loss_scale: float,
+    ) -> dict[str, Any]:
+        """The record of a finished step (``result``, an ``algorithms.base.StepResult``) whose traffic is
+        ``counts``, with the algorithm's ``metrics``, in a world of ``world`` ranks of ``batch`` samples each."""
+        record = {
+            "kind": "train",
+            "step": result.step,
+            "epoch": result.epoch,
+            "loss": result.loss,
+            "lr": result.lr,
+            "world_size": world,
+            "samples_per_s": batch * world / max(step_s, 1e-9),
+            "bytes_sent": counts.bytes_sent,
+            "payload_bytes": counts.payload_bytes,
+            "comm_s": counts.comm_s,
+            "compute_s": result.compute_s,
+            "data_s": result.data_s,
+            "step_s": step_s,
+        }
+        if self.netdev is not None:
+            record["wire_bytes"] = self.netdev.delta()  # this node's own, not a mean over ranks
+        if not result.stepped:
+            record["skipped"] = True
+        if loss_scale != 1.0:
+            record["loss_scale"] = loss_scale
+        record.update(metrics)
+        return record
+
+    def start(self, hosts: list[str], epoch: int, step: int, resumed: tuple[dict[str, Any], str] | None) -> None:
+        """The ``world`` event (``hosts``: rank -> host name) and, for a resumed run, its ``resume`` event and line."""
+        self.event({"event": "world", "world_size": len(hosts), "hosts": dict(enumerate(hosts))}, epoch, step)
+        if resumed is not None:
+            event, line = resumed
+            self.event(event, epoch, step)
+            self.console(line)
+
+    def summarize(self, run: Any, totals: Any, lost_ranks: list[int], **fields: Any) -> dict[str, Any] | None:
+        """On the logging rank: the summary record of this invocation (:func:`run_summary`), the console block and
+        the end of the logger's run; returns the summary (None on the other ranks)."""
+        if not self.membership.is_logging_rank:
+            return None
+        summary = run_summary(run, self.membership, totals, self.steps, lost_ranks, **fields)
+        self.finish(summary, run.step)
+        self.console(format_summary(summary, self.cfg["trainer"], self.run_dir))
+        return summary
 
     def replay(self, records: list[dict[str, Any]]) -> None:
         """Write records a peer wrote (with their time) as if this rank had: what it missed while behind."""
@@ -301,6 +357,59 @@ class StepStats:
             "bytes_per_step": self.bytes_sent / self.count,
             "comm_s_per_step": self.comm_s / self.count,
         }
+
+
+def run_summary(run: Any, membership: Any, totals: Any, steps: StepStats, lost_ranks: list[int], **fields: Any):
+    """The summary record of an invocation at ``run`` (an ``engine.state.RunState``) whose active ranks are
+    ``membership``'s, with ``totals`` of traffic, this invocation's ``steps`` and the ``lost_ranks``; ``fields``:
+    finished, replica_spread, stopped_by, train_s, num_params, reached_target."""
+    m, last, best = membership, run.last_eval or {}, run.best_eval or {}
+    gone = set(range(m.initial_size)) - set(m.ranks)
+    return {
+        "kind": "summary",
+        "finished": fields["finished"],
+        "steps": run.step,
+        "epochs": run.epoch,  # completed
+        "epoch": run.last_epoch,
+        "world_size": m.size,
+        "initial_world_size": m.initial_size,
+        "ranks": m.ranks,
+        "evictions": m.initial_size - m.size - len(lost_ranks),
+        "evicted_ranks": sorted(gone - set(lost_ranks)),
+        "lost_ranks": sorted(lost_ranks),  # died or hung (trainer.on_failure: continue)
+        "replica_spread": fields["replica_spread"],
+        "stopped_by": fields["stopped_by"],
+        "train_s": fields["train_s"],
+        "steps_this_run": steps.count,
+        **steps.summary(),
+        "bytes_sent": totals.bytes_sent,
+        "payload_bytes": totals.payload_bytes,
+        "comm_s": totals.comm_s,
+        "num_params": fields["num_params"],
+        "top1": last.get("top1"),
+        "top5": last.get("top5"),
+        "val_loss": last.get("loss"),
+        "best_top1": best.get("top1"),
+        "best_epoch": best.get("epoch"),
+        "reached_target": fields["reached_target"],
+    }
+
+
+def progress_bar(total: int, initial: int, description: str, show: bool) -> Any:
+    """A tqdm bar on stderr (``show``: the logging rank, ``trainer.progress``), refreshed sparsely when stderr is a
+    file."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=description,
+        unit="step",
+        disable=not show,
+        dynamic_ncols=True,
+        mininterval=0.5 if sys.stderr.isatty() else 30.0,
+        file=sys.stderr,
+    )
 
 
 def save_config(cfg: dict[str, Any], path: str) -> None:

@@ -1,13 +1,18 @@
-"""Optimizers (timm's factory) and the per-step learning-rate schedule."""
+"""The replica a worker trains (model, optimizer, AMP backend, LR schedule), optimizers from timm's factory, and the
+per-step learning-rate schedule."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from hydra.utils import instantiate
 from timm.optim import create_optimizer_v2
 from torch import nn
+
+from data.common import DataBundle, steps_per_epoch
+from models.factory import build_model, num_trainable_parameters
 
 
 def build_optimizer(model: nn.Module, cfg_opt: dict[str, Any], lr: float) -> torch.optim.Optimizer:
@@ -82,3 +87,32 @@ def effective_lr(cfg_opt: dict[str, Any], cfg_sched: dict[str, Any], global_batc
     if cfg_sched["scale_lr"]:
         return cfg_opt["lr"] * global_batch / cfg_sched["base_batch_size"]
     return cfg_opt["lr"]
+
+
+class Replica(NamedTuple):
+    model: nn.Module  # unwrapped (the sync algorithm may wrap it)
+    optimizer: torch.optim.Optimizer
+    amp: Any  # engine.amp.AmpBackend
+    schedule: LRSchedule
+    num_params: int  # trainable
+    max_steps: float  # trainer.max_steps, or inf
+
+
+def build_replica(cfg: dict[str, Any], data: DataBundle, device: torch.device, world_size: int) -> Replica:
+    """The model for ``data``, its optimizer through the AMP backend, and the LR schedule over the run's length."""
+    t, batch = cfg["trainer"], cfg["data"]["batch_size"]
+    model = build_model(cfg["model"], data.num_classes, data.channels, device)
+    num_params = num_trainable_parameters(model)
+    steps = steps_per_epoch(len(data.train), world_size, batch)
+    if steps < 1:
+        raise ValueError(
+            f"data.batch_size={batch}: larger than a rank's shard ({len(data.train)} samples / {world_size} ranks); "
+            f"lower it"
+        )
+    max_steps = t["max_steps"] if t["max_steps"] is not None else float("inf")
+    base_lr = effective_lr(cfg["optimizer"], cfg["schedule"], batch * world_size)
+    optimizer = build_optimizer(model, cfg["optimizer"], base_lr)
+    schedule = LRSchedule(cfg["schedule"], base_lr, min(t["epochs"], max_steps / steps))
+    amp = instantiate(cfg["amp"])
+    model, optimizer = amp.setup(model, optimizer, device)
+    return Replica(model, optimizer, amp, schedule, num_params, max_steps)

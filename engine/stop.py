@@ -18,15 +18,9 @@ import math
 import signal
 from typing import Any
 
-from algorithms.membership import Membership, StoreLoop
+from distributed.membership import Membership, StoreLoop
 
 POLL_S = 0.2
-_stopped_by: str | None = None  # set in this process once a run stopped on a signal
-
-
-def stopped_by() -> str | None:
-    """The signal on which a run in this process stopped (checkpointed at the agreed step), if one did."""
-    return _stopped_by
 
 
 class StopRequest:
@@ -83,12 +77,12 @@ class StopRequest:
                 )
             if self.membership.is_logging_rank:
                 print(f"relaxsync: {self.name}: every rank stops after step {self.step}", flush=True)
-        if self.reached(step):
-            global _stopped_by
-            _stopped_by = self.name
-            return True
-        return False
+        return self.reached(step)
 
     def reached(self, step: int) -> bool:
         """Whether a stop step is agreed and ``step`` (steps completed) has reached it."""
         return self.step is not None and step >= self.step
+
+    def stopped_by(self, step: int) -> str | None:
+        """The signal's name once the run, at ``step``, stopped on it; None otherwise."""
+        return self.name if self.reached(step) else None

@@ -22,7 +22,7 @@ from torch.utils.data import TensorDataset
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 # 1) Import RelaxedSyncDistributedDataParallel as DDP.
-from algorithms.cac import RelaxedSyncDistributedDataParallel as DDP  # noqa: E402
+from compat.cac import RelaxedSyncDistributedDataParallel as DDP  # noqa: E402
 from data.digits import load_tensors  # noqa: E402
 
 

@@ -323,7 +323,7 @@ def killed_once_at_step_7(cfg: dict, run_dir: str) -> None:
 @record
 def writes_its_pid(cfg: dict, run_dir: str):
     """``run_worker``, after writing this process's pid to ``<run_dir>/pid<rank>`` (for tests that signal a worker)."""
-    from engine.loop import run_worker
+    from engine.launch import run_worker
 
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, f"pid{os.environ['RANK']}"), "w") as f:
@@ -353,3 +353,30 @@ def rank2_stops_in_first_evaluation(cfg: dict, run_dir: str) -> None:
 
         trainer.evaluate = hang_then_evaluate
     _fit(trainer)
+
+
+@record
+def guard_bookkeeping(cfg: dict, run_dir: str) -> None:
+    """For every config of ``configs.json``: train, then record which failure guard the trainer used and what it kept
+    (its attributes, the recorder's observers, the records in its history) in ``<run>/guard_rank<r>.json``."""
+    _each(run_dir, _guard_bookkeeping)
+
+
+def _guard_bookkeeping(cfg: dict, run_dir: str) -> None:
+    import json
+
+    from engine.loop import Trainer
+
+    trainer = Trainer(cfg, run_dir)
+    trainer.fit()
+    trainer.guard.stop()  # (its heartbeat thread; the process group stays up for the next config)
+    trainer.recorder.close()
+    guard = trainer.guard
+    seen = {
+        "guard": type(guard).__name__,
+        "attributes": sorted(vars(guard)),
+        "observers": len(trainer.recorder.observers),
+        "history": [[at.step, at.phase.value, r["kind"]] for at, r in getattr(guard, "history", [])],
+    }
+    with open(os.path.join(run_dir, f"guard_rank{trainer.rank}.json"), "w") as f:
+        json.dump(seen, f)

@@ -20,6 +20,7 @@ from conftest import plain_cfg, records
 from hydra.utils import get_class
 
 from algorithms.base import StepResult, SyncAlgorithm, SyncReport, Wrapper
+from distributed.membership import Change
 from engine.metrics import read_metrics
 
 # PowerSGD's matrix products in a resumed process's first step run on DDP's initial bucket layout, not on the
@@ -126,6 +127,9 @@ class _Recording(SyncAlgorithm):
     def after_optimizer_step(self, result):
         return SyncReport(metrics={"inner": 1.0})
 
+    def on_membership_change(self, change):
+        return SyncReport(events=[{"event": "changed", "removed": change.removed}])
+
     def before_eval(self):
         pass
 
@@ -157,7 +161,8 @@ def test_a_wrapper_forwards_calls_state_and_flags_to_the_inner_algorithm():
     assert wrapper.before_step(3).events == [{"event": "inner"}]
     assert wrapper.after_backward(3, True).grads_finite is False
     assert wrapper.after_optimizer_step(result).metrics == {"inner": 1.0}
-    wrapper.on_membership_change()
+    change = Change(generation=1, removed=[2], ranks=[0, 1], cause="died")
+    assert wrapper.on_membership_change(change).events == [{"event": "changed", "removed": [2]}]
     wrapper.drain()
     wrapper.before_eval()
     assert wrapper.state_dict() == {"inner": {"shared": 1}}

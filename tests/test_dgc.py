@@ -11,7 +11,7 @@ from conftest import load_model_state, records, train, train_each
 
 from algorithms.base import SyncContext
 from algorithms.dgc import DGC, above, keep_count, pack, select, sparsity_at, unpack
-from algorithms.membership import Membership
+from distributed.membership import Membership
 
 FAST = ["model=test_resnet", "data=digits", "logger=none", "trainer.progress=false", "trainer.nproc=2"]
 FLEET_EXAMPLE = [0.75, 0.9375, 0.984375, 0.996, 0.999]

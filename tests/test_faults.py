@@ -389,7 +389,7 @@ def test_a_peer_silent_before_the_failure_is_recognised_without_watching_it_agai
 
     import torch.distributed as dist
 
-    from algorithms.membership import Membership
+    from distributed.membership import Membership
     from engine import failures as failures_module
     from engine.failures import BEAT_S, SILENT_S, Failures
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import records, train, train_each
 
-from algorithms.topology import ExponentialGraph, LoadBalancedRandom, Ring
+from distributed.topology import ExponentialGraph, LoadBalancedRandom, Ring
 
 FAST = ["model=test_resnet", "logger=none", "trainer.progress=false"]
 TEST_RESNET_BYTES = 4 * 373_658
@@ -65,7 +65,10 @@ def test_gossip_converges_to_the_exact_initial_average_with_and_without_overlap(
         for log in logs:
             assert all(e["weight_sum"] == pytest.approx(4.0, abs=1e-9) for e in log), name  # mass is kept
             assert log[0]["error"] > 1e-2, name  # after one step the replicas are still apart...
-            assert log[-1]["error"] < 1e-5, name  # ...and gossip alone brings each to the initial average
+            # ...and gossip alone brings each to the initial average: by elementwise averagings only (rounded the
+            # same on any CPU), which do not amplify rounding and are exact once the replicas agree, so whatever the
+            # number of steps it ends within an ulp or two of the largest |x| (< 8: ulp 4.8e-7; 2.4e-7 measured)
+            assert log[-1]["error"] < 1e-5, name
 
 
 @pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.full), pytest.param(3, marks=pytest.mark.full), 4])

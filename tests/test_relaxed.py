@@ -12,7 +12,7 @@ import pytest
 from conftest import FAST, ROOT, records, train, train_each
 
 from algorithms.relaxed import decide, reference_time
-from algorithms.topology import round_robin
+from distributed.topology import round_robin
 
 RELAXED = [
     "sync=relaxed",
@@ -197,7 +197,7 @@ def test_membership_agreement_adopts_the_first_proposal_and_a_removed_rank_leave
     proposes; the rank removed raises LeftRun, a SystemExit with status 0, after saying why."""
     import torch.distributed as dist
 
-    from algorithms.membership import LeftRun, Membership
+    from distributed.membership import LeftRun, Membership
 
     store = dist.HashStore()
     first, second = Membership(rank=2, world_size=3), Membership(rank=0, world_size=3)
@@ -214,3 +214,33 @@ def test_membership_agreement_adopts_the_first_proposal_and_a_removed_rank_leave
     alone._store = store
     assert alone.remove([], cause="slow") is None  # nobody proposed a removal: nothing changes
     assert alone.ranks == [0, 1, 2] and alone.generation == 0
+
+
+def test_a_membership_change_is_answered_through_the_contract_by_cause_and_mode_threshold():
+    """The trainer reads no plugin's keys: after any change it applies what ``on_membership_change`` answers. Any
+    algorithm's default after a loss: reshard and scale the LR linearly; relaxed sync after its own eviction: reshard
+    and rescale by its ``lr_policy`` only below ``relaxed_sync_mode_threshold`` (as CAC), after a loss always."""
+    import math
+
+    import torch
+
+    from algorithms.base import RebuildTrainLoader, ScaleLR, SyncContext
+    from algorithms.none import NoSync
+    from algorithms.relaxed import EVICTED, RelaxedSync
+    from distributed.membership import Change, Membership
+
+    membership = Membership(0, 4, group=object())
+    plain, relaxed = NoSync(), RelaxedSync(NoSync(), relaxed_sync_mode_threshold=0.8, lr_policy="sqrt")
+    for sync in (plain, relaxed):
+        sync.setup(torch.nn.Linear(2, 2), None, SyncContext(None, membership, torch.device("cpu")))
+    membership.ranks = [0, 1, 2]  # 3 of 4 left: 0.75
+    evicted, lost = Change(1, [3], [0, 1, 2], EVICTED), Change(1, [3], [0, 1, 2], "died")
+    assert plain.on_membership_change(lost).requests == [RebuildTrainLoader(), ScaleLR(0.75, "linear")]
+    answer = [RebuildTrainLoader(), ScaleLR(math.sqrt(0.75), "sqrt")]
+    assert relaxed.on_membership_change(evicted).requests == answer
+    assert relaxed.on_membership_change(lost).requests == answer
+    relaxed.mode_threshold = 0.7  # 0.75 of the ranks is above it: CAC goes on without resharding
+    assert relaxed.on_membership_change(evicted).requests == []
+    assert relaxed.on_membership_change(lost).requests == answer  # a lost rank's shard must be covered
+    relaxed.lr_policy = "none"
+    assert relaxed.on_membership_change(lost).requests == [RebuildTrainLoader()]

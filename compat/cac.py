@@ -3,9 +3,9 @@
 
 Scripts run unchanged with one import changed::
 
-    from algorithms.cac import RelaxedSyncDistributedDataParallel as DDP
+    from compat.cac import RelaxedSyncDistributedDataParallel as DDP
 
-The eviction rule is ``algorithms.relaxed.Eviction``, the agreement and regroup ``algorithms.membership``, the
+The eviction rule is ``algorithms.relaxed.Eviction``, the agreement and regroup ``distributed.membership``, the
 gradient exchange ``sync=allreduce`` (DDP with counted bytes). ``examples/relaxed_sync_cac.py`` follows CAC's
 usage steps 1-8.
 """
@@ -22,10 +22,10 @@ from torch import nn
 
 from algorithms.allreduce import AllReduce
 from algorithms.base import SyncContext
-from algorithms.comm import Communicator
-from algorithms.membership import Membership, host_names
 from algorithms.relaxed import Eviction
 from data.common import ShardSampler, TrainSampler
+from distributed.comm import Communicator
+from distributed.membership import Membership, host_names
 
 
 class RelaxedSyncDistributedDataParallel(nn.Module):
@@ -125,7 +125,7 @@ class RelaxedSyncDistributedDataParallel(nn.Module):
         )
         if not verdict.evicted:
             return
-        self._exchange.on_membership_change()
+        self._exchange.on_membership_change(self.membership.changes[-1])  # (CAC's API reshards and rescales)
         self._changed = True
         if self.membership.is_logging_rank:
             print(

@@ -85,6 +85,7 @@ class Membership:
         self.group = group if group is not None else dist.group.WORLD
         self.hosts = hosts if hosts is not None else [""] * world_size  # rank -> host name, for the record
         self.generation = 0  # how many changes so far
+        self.changes: list[Change] = []  # every change of this run seen by this rank, oldest first
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._prefix = f"relaxsync/restart{restart}/membership{next(_instances)}"
         self._agreements = 0
@@ -152,7 +153,8 @@ class Membership:
             raise LeftRun(self.rank, reason)
         self.group = dist.new_group(survivors, use_local_synchronization=True, timeout=self.timeout)
         self.ranks = survivors
-        return Change(self.generation, removed, survivors, agreed["cause"])
+        self.changes.append(Change(self.generation, removed, survivors, agreed["cause"]))
+        return self.changes[-1]
 
     def every(self, period_s: float, tick: Callable[[Any], bool], name: str) -> StoreLoop:
         """A background thread (not started) calling ``tick(store)`` every ``period_s`` on a store connection of

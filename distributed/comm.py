@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from algorithms.membership import Membership
-from algorithms.topology import round_robin
+from distributed.membership import Membership
+from distributed.topology import round_robin
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:

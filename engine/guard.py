@@ -1,0 +1,231 @@
+"""The failure guard: the one component through which the trainer runs each part of its loop that holds a
+collective, chosen once from ``trainer.on_failure``.
+
+- ``abort`` (:class:`NoGuard`): a failed collective ends the run (torchrun stops the other workers, and
+  ``trainer.max_restarts`` or a new command resumes from the last checkpoint). The guard runs each part as it is
+  and keeps nothing: no position, no history, no thread.
+- ``continue`` (:class:`SurvivingGuard`): a part whose collective fails because a peer is gone is redone on the
+  survivors' group once they agree who is gone (``engine/failures.py``). The guard knows where the loop is (a
+  :class:`Position` and a :class:`Site`), keeps the latest records (the logging rank may be healed and must write
+  those it missed), writes the ``rank_lost`` event once what was in flight is done again, and heals a survivor
+  left a collective behind through the trainer's ``state_dict()`` / ``load_state_dict()``: that rank raises
+  :class:`CatchUp` up to the loop, which enters again where the front is.
+
+The sync algorithm learns of the change the way it learns of any: the trainer's ``apply`` calls its
+``on_membership_change(change)`` and carries out the report it returns.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from algorithms.base import SyncReport
+from distributed.membership import Membership, host_names
+from engine.failures import Failures, Phase, Position, is_collective_failure
+
+HISTORY = 4096  # records kept for a peer that falls behind by a collective and must write them
+
+
+class Site(Enum):
+    """Where in the loop a part runs, for the parts that run at more than one place."""
+
+    NONE = ""
+    BETWEEN_STEPS = "between steps"  # an evaluation on the side or a step checkpoint
+    EPOCH_END = "epoch end"  # the epoch's evaluation and checkpoint
+    END = "end"  # the end of the run: the replicas' spread and the exit barrier
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where a rank healed from the front enters the loop: the front's part, and ``carry``, what the parts before it
+    would have handed on (by :class:`Phase`) and the loop's own values there (under ``"loop"``)."""
+
+    position: Position
+    site: Site
+    carry: dict[Any, Any] = field(default_factory=dict)
+
+
+class CatchUp(Exception):  # noqa: N818 - a control-flow signal, like StopIteration
+    """Raised on a survivor left behind once it holds the front's state: it unwinds to the training loop, which
+    enters again at the front's part, the parts before it returning what the front carried from them."""
+
+    def __init__(self, entry: Entry):
+        super().__init__(f"catch up at the {entry.position.phase.value} of step {entry.position.step}")
+        self.entry = entry
+
+
+class Host(Protocol):
+    """What the surviving guard uses of the trainer."""
+
+    run: Any  # engine.state.RunState
+    recorder: Any  # engine.metrics.Recorder
+    sync: Any  # the sync algorithm
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def apply(self, report: SyncReport, epoch: int) -> None: ...
+
+
+class NoGuard:
+    """``trainer.on_failure=abort``: every part runs as it is."""
+
+    lost_ranks: tuple[int, ...] = ()
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def run(self, phase: Phase, part: Callable[[], Any], epoch: int, site: Site = Site.NONE, carry=None) -> Any:
+        return part()
+
+    def entry(self, site: Site) -> dict[str, Any] | None:
+        """Never: no rank catches up."""
+        return None
+
+    def repeat(self, part: Callable[[], Any]) -> Any:
+        return part()
+
+
+class SurvivingGuard:
+    """``trainer.on_failure=continue``: a lost peer is survived in any part of the loop."""
+
+    def __init__(self, membership: Membership, hang_timeout_s: float, host: Host):
+        self.failures, self.host = Failures(membership, hang_timeout_s), host
+        self.lost_ranks: list[int] = []
+        self.history: deque[tuple[Position, dict[str, Any]]] = deque(maxlen=HISTORY)  # (where it was written, record)
+        self._at = Entry(Position(0, Phase.STEP), Site.NONE)  # the part in progress
+        self._entering: Entry | None = None  # on a rank healed from the front, until it reaches the front's part
+        self._lost: list[dict[str, Any]] = []  # rank_lost events waiting for what was in flight to be done again
+        self._replaying = False
+        host.recorder.observers.append(self._observe)
+
+    def start(self) -> None:
+        self.failures.heartbeat.start()
+
+    def stop(self) -> None:
+        self.failures.heartbeat.stop()
+
+    def run(self, phase: Phase, part: Callable[[], Any], epoch: int, site: Site = Site.NONE, carry=None) -> Any:
+        """``part()``; if a collective in it fails because a peer is gone, agree with the other survivors on who is
+        gone, regroup, and run it again. ``carry`` is what a rank healed from this one needs to enter here. On a
+        rank catching up with the front, every part before the front's returns what the front carried from it."""
+        entering, step = self._entering, self.host.run.step
+        if entering is not None:
+            if (phase, site) != (entering.position.phase, entering.site):
+                return entering.carry.get(phase)
+            if step != entering.position.step:
+                raise RuntimeError(f"entered the {phase.value} at step {step}, not {entering.position.step}")
+            self._entering = None
+        self._at = Entry(Position(step, phase), site, carry or {})
+        while True:
+            try:
+                result = part()
+                break
+            except Exception as error:
+                if not is_collective_failure(error):
+                    raise
+                self._recover(error, epoch)
+        if phase not in (Phase.STEP, Phase.EXCHANGE, Phase.EXIT):  # (a step's, after its record; none after exit)
+            self._write_losses(epoch, step)
+        return result
+
+    def entry(self, site: Site) -> dict[str, Any] | None:
+        """On a rank catching up with a front that is at ``site``: the loop's values there; otherwise None."""
+        entering = self._entering
+        return entering.carry.get("loop", {}) if entering is not None and entering.site == site else None
+
+    def repeat(self, part: Callable[[], Any]) -> Any:
+        """``part()`` until it returns without this rank having been healed in it (:class:`CatchUp`)."""
+        while True:
+            try:
+                return part()
+            except CatchUp:
+                pass  # this rank now holds the front's state: enter where the front is
+
+    # ---- recovery ---------------------------------------------------------------------------------------------
+    def _recover(self, error: BaseException, epoch: int) -> None:
+        """After ``error``: agree on who is gone, regroup and follow the change; on a survivor one collective
+        behind the others, take the front's state and raise :class:`CatchUp`."""
+        detected, host = time.time(), self.host
+        recovery = self.failures.recover(error, self._at.position)
+        change, event = recovery.change, recovery.event
+        own = sum(t.numel() * t.element_size() for t in _tensors(host.sync.local_state_dict()))
+        self._lost.append({**event, "detected_at": detected, "lost_state_bytes": own})  # what the lost rank took
+        self.lost_ranks += change.removed
+        healed = ""
+        if recovery.behind:
+            healed = f"; rank(s) {recovery.behind} were a collective behind: they take rank {recovery.source}'s state"
+        host.recorder.console(
+            f"relaxsync: rank(s) {change.removed} {event['cause']} at step {event['failed_step']}; "
+            f"{len(change.ranks)} ranks go on and redo the {event['redo']} of step {recovery.front.step}{healed}"
+        )
+        host.apply(SyncReport(), epoch)  # the algorithm answers the change (on_membership_change)
+        snapshot = self.failures.heal(recovery, lambda behind: self._snapshot(behind, recovery.front))
+        if snapshot is not None:
+            host.load_state_dict(snapshot["state"])  # the front's replica; this rank's own algorithm state stays
+            self._replaying = True  # (the front's train records do not complete this rank's step)
+            try:
+                host.recorder.replay(snapshot["records"])
+            finally:
+                self._replaying = False
+            self._entering = snapshot["entry"]
+            raise CatchUp(self._entering)
+
+    def _snapshot(self, behind: Position, front: Position) -> dict[str, Any]:
+        """What a survivor that failed at ``behind`` needs to go on from here, the ``front``: the trainer's state,
+        the records written since ``behind`` (it may be the logging rank) and where to enter."""
+        records = [r for at, r in self.history if behind.key <= at.key < front.key]
+        return {"state": self.host.state_dict(), "records": records, "entry": self._at}
+
+    def _observe(self, record: dict[str, Any]) -> None:
+        """Every record the recorder writes (on every rank), kept with where the loop was; a step's losses are
+        written right after its train record."""
+        if record["kind"] == "summary":
+            return
+        self.history.append((self._at.position, record))
+        if record["kind"] == "train" and not self._replaying:
+            self._write_losses(record["epoch"], record["step"])
+
+    def _write_losses(self, epoch: int, step: int) -> None:
+        """The ``rank_lost`` events of losses recovered from, now that what was in flight is done again."""
+        lost, self._lost = self._lost, []
+        for event in lost:
+            event["recovery_s"] = time.time() - event["detected_at"]  # from the failure to this completion
+            self.host.recorder.event(event, epoch, step)
+
+
+def training_membership(on_failure: str, hang_timeout_s: float, rank: int, world_size: int) -> Membership:
+    """The active ranks and their group. Under ``continue`` every training collective gets a deadline, so that a
+    hung peer makes it fail instead of waiting ``trainer.timeout_s``."""
+    hosts = host_names()
+    if on_failure != "continue":
+        return Membership(rank, world_size, hosts=hosts)
+    deadline = datetime.timedelta(seconds=hang_timeout_s)
+    group = dist.new_group(list(range(world_size)), timeout=deadline)
+    return Membership(rank, world_size, group, hosts, timeout=deadline)
+
+
+def build_guard(on_failure: str, membership: Membership, hang_timeout_s: float, host: Host) -> NoGuard | SurvivingGuard:
+    return SurvivingGuard(membership, hang_timeout_s, host) if on_failure == "continue" else NoGuard()
+
+
+def _tensors(state: Any):
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from _tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from _tensors(value)
