@@ -36,7 +36,7 @@ format: $(STAMP) ## ruff format + autofix
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-tta ## run every benchmark (results: BENCHMARKS.md)
+bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-tta ## run every benchmark (results: docs/benchmarks/)
 
 bench-overhead: $(STAMP) ## our allreduce loop vs a plain torch DDP loop (samples/s ratio)
 	$(PY) -m bench.overhead $(ARGS)

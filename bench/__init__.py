@@ -1,1 +1,1 @@
-"""Benchmarks (`make bench`); results are recorded in BENCHMARKS.md."""
+"""Benchmarks (`make bench`); each one's results and how to read them: docs/benchmarks/."""

@@ -11,7 +11,7 @@ Target: DiLoCo and Streaming DiLoCo within 1 point of allreduce's final top-1.
 The default epochs, 10 at 2 processes and 20 at 4, give both world sizes the same 440 optimizer steps: DiLoCo's
 period H is counted in steps, so at 4 processes and 10 epochs a run would have only 7 outer steps at H=32, too
 few for the outer momentum to matter (bench/results/diloco.json records that run: streaming DiLoCo 3 points
-behind). Results: bench/results/<out> (a table goes to BENCHMARKS.md).
+behind). Results: bench/results/<out>; read in docs/benchmarks/diloco.md.
 """
 
 from __future__ import annotations

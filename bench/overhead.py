@@ -4,7 +4,7 @@
 
 Runs the two side by side, alternating which goes first in each round, and reports the median samples/s of
 each over the steady state (the first ``--warmup`` steps dropped) and the median of the per-round ratios.
-Results: bench/results/overhead.json; the table goes to BENCHMARKS.md.
+Results: bench/results/overhead.json; read in docs/benchmarks/overhead.md.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def probe_apex() -> str | None:
     except ImportError:
         return (
             "NVIDIA apex is not installed (it is not on PyPI; the PyPI package 'apex' is unrelated). "
-            "Build apex <= 25.04 from source (see README), or use amp=torch"
+            "Build apex <= 25.04 from source (see docs/multinode.md), or use amp=torch"
         )
     try:
         from apex import amp  # noqa: F401

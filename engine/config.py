@@ -77,13 +77,24 @@ def check_override_keys(overrides: list[str], conf_dir: str) -> None:
     except Exception:  # noqa: BLE001 - an unknown group option is Hydra's to report (it lists the options)
         return
     known = [k for k in _leaf_keys(OmegaConf.to_container(reference, resolve=False)) if "._" not in f".{k}"]
-    missing = object()
     for o in keys:
-        if OmegaConf.select(reference, o.key_or_group, default=missing) is missing:
+        if not _has_key(reference, o.key_or_group):
             near = difflib.get_close_matches(o.key_or_group, known, n=1, cutoff=0.6)
             hint = f"did you mean {near[0]}?" if near else "all keys: .venv/bin/python train.py --cfg job"
             value = o.input_line.split("=", 1)[1] if o.is_sweep_override() else o.value()
             raise ConfigError(o.key_or_group, value, f"a key of the config ({hint})")
+
+
+def _has_key(cfg: Any, key: str) -> bool:
+    """Whether the dotted ``key`` names a key of ``cfg``, a required (``???``) one included."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue
+
+    absent = object()
+    try:
+        return OmegaConf.select(cfg, key, default=absent, throw_on_missing=True) is not absent
+    except MissingMandatoryValue:
+        return True
 
 
 def _leaf_keys(node: Any, prefix: str = "") -> list[str]:

@@ -163,6 +163,9 @@ def test_unknown_key_names_the_key_meant(override):
     check_override_keys(["sync=localsgd", "sync.k_steps=8", "+hydra.job.env_set.X=1", "-m"], str(CONF_DIR))
     with pytest.raises(ConfigError, match=r"sync.k_step=8: .*did you mean sync.k_steps\?"):
         check_override_keys(["-m", "sync=localsgd,adaptive_localsgd", "sync.k_step=8"], str(CONF_DIR))
+    check_override_keys(["data=imagefolder", "data.root=/data/imagenet"], str(CONF_DIR))  # a required (???) key
+    with pytest.raises(ConfigError, match=r"data.rot='/x': .*did you mean data.root\?"):
+        check_override_keys(["data=imagefolder", "data.rot=/x"], str(CONF_DIR))
 
 
 def test_unknown_key_stops_before_any_worker(tmp_path):
