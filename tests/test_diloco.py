@@ -4,13 +4,15 @@ DiLoCo variant, alone and inside relaxed sync: test_contract.py.)"""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import timm
 import torch
 from _contract import case_dir
-from conftest import FAST, load_model_state, records, train_each
+from _rounding import EPS, each_config_checking_averages
+from conftest import FAST, records, train_each
 
 from algorithms.crossover import segment_ranges
 from algorithms.diloco import dequantize_int8, fragment_due, quantize_int8
@@ -29,7 +31,9 @@ def test_int8_round_trip_is_within_half_a_step_of_each_block(n, block):
     for lo in range(0, n, block):
         part = x[lo : lo + block]
         half_step = (part.max() - part.min()) / 255 / 2
-        assert (y[lo : lo + block] - part).abs().max() <= half_step * (1 + 1e-5) + 1e-7
+        # Beyond the half step, float32 rounding (within EPS of each result, on any CPU): of the range, the scale,
+        # x - min, the quotient, code x scale and min + it, all at most twice the block's largest magnitude: < 16.
+        assert (y[lo : lo + block] - part).abs().max() <= half_step + 16 * EPS * part.abs().max()
     constant = torch.full((10,), 3.25)
     assert torch.equal(dequantize_int8(quantize_int8(constant, 4), 10, 4), constant)  # zero range: exact
 
@@ -50,22 +54,23 @@ def test_every_fragment_syncs_once_per_outer_step_and_fragments_cover_the_model(
 
 
 def test_outer_lr_1_without_momentum_is_local_sgd(tmp_path):
-    """theta - 1 x mean(theta - theta_m) is mean(theta_m): DiLoCo is local SGD, but for rounding (the two compute
-    the average differently), which training then amplifies about 3x a step; over two outer steps of 4 steps the
-    parameters stay within 1e-5 (2.4e-7 measured)."""
+    """theta - 1 x mean(theta - theta_m) is mean(theta_m): every H steps, each replica becomes the replicas' average
+    (BN statistics too), and in between the inner steps are left alone: local SGD with period H. Checked at each of
+    two outer steps against the float64 average of that step's replicas, up to the rounding of the outer step alone
+    (the pseudo-gradients, their sum and the step round once each: at most 5 EPS of the largest magnitude averaged;
+    see _rounding.py), not against a local SGD run after training has amplified it. The second outer step would see
+    a momentum that outer_momentum=0 left on."""
     common = [*FAST, "optimizer=momentum", "trainer.max_steps=8", "data.batch_size=16", "trainer.checkpoint_every=0"]
     outer_is_average = ["sync.outer_lr=1.0", "sync.outer_momentum=0.0", "sync.nesterov=false"]
-    train_each(
-        tmp_path,
-        {
-            "diloco": [*common, "sync=diloco", "sync.inner_steps=4", *outer_is_average],
-            "localsgd": [*common, "sync=localsgd", "sync.begin_step=0", "sync.k_steps=4"],
-        },
-    )
-    a, b = load_model_state(tmp_path / "diloco"), load_model_state(tmp_path / "localsgd")
-    for name, p in b.items():
-        if p.is_floating_point():
-            torch.testing.assert_close(a[name], p, atol=1e-5, rtol=0, msg=name)
+    runs = {"diloco": [*common, "sync=diloco", "sync.inner_steps=4", *outer_is_average]}
+    train_each(tmp_path, runs, entrypoint=each_config_checking_averages)
+    for rank in (0, 1):
+        log = json.loads((tmp_path / "diloco" / f"averages_rank{rank}.json").read_text())
+        assert [e["step"] for e in log] == list(range(8))
+        outer = [e for e in log if (e["step"] + 1) % 4 == 0]
+        assert all(e["moved"] and e["replicas_differed"] for e in outer), outer
+        assert all(e["error_eps"] <= 8 for e in outer), outer  # at most 5 (2.1 measured)
+        assert not any(e["moved"] for e in log if (e["step"] + 1) % 4), log  # the inner steps are the optimizer's
 
 
 def test_streaming_bytes_are_the_int8_fragments(contract_runs):
