@@ -14,14 +14,13 @@ whole bucket in the plain phase) and marks when this rank's compute ended. The s
 the iteration counter and the random generator that draws the first Q are the same on every rank (shared); the
 error feedback and the warm-start P and Q are each rank's own.
 
-PyTorch keeps that per-rank state per DDP *bucket*, and a bucket's parameters change whenever DDP builds its
-buckets anew: after the first step of every DDP (so a resumed process's first step sees another layout than the
-uninterrupted run did) and after a membership change (a new DDP over the survivors). :class:`BucketState` keeps
-it per *parameter* whenever a bucket's make-up changes and assembles it again for the new bucket, so the state
-follows the parameters. Every quantity PowerSGD computes is per tensor or per element, so a resumed run continues
-as the uninterrupted one would, up to float rounding: the matrix products of the resumed process's first step
-run on another memory layout, which moves results by about one unit in the last place (1.2e-7 on parameters
-of magnitude 2.5, measured).
+PyTorch keeps that per-rank state per DDP *bucket*, and DDP lays its buckets out anew after its first step (in the
+order gradients became ready): a process resumed from a checkpoint would take its first step on another layout than
+the uninterrupted run, and PowerSGD's matrix products round by where a tensor lies in memory. So every DDP this
+algorithm builds has its layout fixed when it is built, in parameter order, and never changes it: a resumed run
+ends bit for bit where the uninterrupted one ends. The state is also kept per *parameter* (:class:`BucketState`),
+saved that way, and assembled for whichever bucket holds the parameter, so it follows the parameters whatever the
+buckets (a checkpoint written with another layout, a new DDP over the survivors of a membership change).
 """
 
 import time
@@ -208,6 +207,17 @@ class PowerSGD(AllReduce):
     def on_membership_change(self, change: Change) -> SyncReport:
         self.psgd.process_group = self.ctx.comm.group
         return super().on_membership_change(change)
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        ddp = super()._wrap(model)
+        # DDP lays its buckets out anew after its first step, in the order gradients became ready, and the matrix
+        # products of PowerSGD round by where a tensor lies in memory: a process resumed from a checkpoint would
+        # take its first step on another layout than the uninterrupted run took it. Fix the layout now, in
+        # parameter order, for every DDP this algorithm builds (the hook finishes each bucket's exchange before it
+        # returns, so which bucket becomes ready first buys no overlap).
+        ddp.reducer._push_all_rebuilt_params()
+        ddp.reducer._rebuild_buckets()
+        return ddp
 
     def _hook_state(self) -> _PowerHookState:
         return _PowerHookState(self.ctx.comm, self.psgd, self.buckets)

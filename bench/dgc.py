@@ -23,8 +23,8 @@ import torch
 
 from algorithms.base import SyncContext
 from algorithms.dgc import DGC, keep_count
-from distributed.membership import Membership
 from bench.common import RESULTS, machine, median, run, train_records
+from distributed.membership import Membership
 
 
 def measure_bytes(sparsity: float) -> dict:

@@ -199,7 +199,7 @@ def hung(net: EmulatedNetwork, args: argparse.Namespace, workdir: Path, port: in
 def rejoin(net: EmulatedNetwork, args: argparse.Namespace, workdir: Path, port: int) -> dict[str, Any]:
     """Two nodes under ``--nnodes 2:3``, then the third started with the same command: its agents stop the world
     (SIGTERM), which checkpoints at an agreed step and restarts one larger from there."""
-    environ = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # (docs/failures.md: torch's shared store breaks a later join)
+    environ = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # (docs/failures.md: a shared store breaks a later join)
     job = Job(net, workdir / "rejoin", port, [], f"{NODES - 1}:{NODES}", 0, nodes=NODES - 1, environ=environ)
     try:
         job.wait_steps(args.at_step)

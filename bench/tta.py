@@ -7,8 +7,8 @@ what cost in bytes, on the same runs.
     python -m bench.tta --report bench/results      # redraw the tables and plots from a run's records
 
 Every cell is one multi-node torchrun job on the emulated network of ``bench/network`` (one namespace and one
-worker per node), training ``experiment=tta`` (timm's test_resnet on digits at 32 px; docs/benchmarks/tta.md says why) from
-seed 0 with ``trainer.eval_every_steps`` and ``trainer.target_top1``: it stops at the first evaluation that
+worker per node), training ``experiment=tta`` (timm's test_resnet on digits at 32 px; docs/benchmarks/tta.md says
+why) from seed 0 with ``trainer.eval_every_steps`` and ``trainer.target_top1``: it stops at the first evaluation that
 reaches the target, or after ``--epochs`` (the cap, which the LR schedule spans). Evaluations run on the side
 (the replicas' average on a copy; training is unchanged by them) and their seconds are left out of the clock.
 Scenarios, rows of the table:
