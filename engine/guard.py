@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from algorithms.base import SyncReport
+from distributed.comm import tensor_bytes
 from distributed.membership import Membership, host_names
 from engine.failures import Failures, Phase, Position, is_collective_failure
 
@@ -160,7 +161,7 @@ class SurvivingGuard:
         detected, host = time.time(), self.host
         recovery = self.failures.recover(error, self._at.position)
         change, event = recovery.change, recovery.event
-        own = sum(t.numel() * t.element_size() for t in _tensors(host.sync.local_state_dict()))
+        own = sum(tensor_bytes(t) for t in _tensors(host.sync.local_state_dict()))
         self._lost.append({**event, "detected_at": detected, "lost_state_bytes": own})  # what the lost rank took
         self.lost_ranks += change.removed
         healed = ""

@@ -47,11 +47,9 @@ class RunState:
         """The position of a checkpoint written by a world of ``state["world_size"]`` ranks, for a world of
         ``world_size`` (torchrun may have grown or shrunk it between the stop and the restart): it skips the samples
         already trained on and runs the steps of the rest."""
-        self.epoch, self.step = state["epoch"], state["step"]
-        self.last_eval, self.best_eval = state.get("last_eval"), state.get("best_eval")
         before = state.get("world_size", world_size)
-        self.epoch_samples = state.get("epoch_samples", state["step_in_epoch"] * batch_size * before)
-        self.step_in_epoch = 0
+        samples = state.get("epoch_samples", state["step_in_epoch"] * batch_size * before)
+        self.load_state_dict({**state, "step_in_epoch": 0, "epoch_samples": samples})
         if state["step_in_epoch"]:
             self.step_in_epoch = resumed_step_in_epoch(num_train, self.epoch_samples, world_size, batch_size)
             if self.step_in_epoch >= steps_per_epoch(num_train, world_size, batch_size):
