@@ -22,10 +22,10 @@ venv: $(STAMP) ## create .venv with the pinned dependencies
 train: $(STAMP) ## train ResNet-50 on digits with 2 processes (W&B offline); extra overrides: ARGS="..."
 	$(PY) train.py $(ARGS)
 
-test: $(STAMP) ## run the test suite (CPU, gloo; what CI runs, 9-10 min on 2 cores)
+test: $(STAMP) ## run the test suite (CPU, gloo; what CI runs, ~7 min on 2 cores)
 	$(PY) -m pytest -q -m "not full" $(ARGS)
 
-test-full: $(STAMP) ## the test suite plus the slow tests marked full (~13 min on 2 cores)
+test-full: $(STAMP) ## the test suite plus the slow tests marked full (~16 min on 2 cores)
 	$(PY) -m pytest -q $(ARGS)
 
 lint: $(STAMP) ## ruff check + format check

@@ -58,7 +58,8 @@ def worker_main(argv: list[str]) -> None:
     """Under torchrun/Slurm: compose the same config without Hydra's per-process output dirs, then train."""
     from hydra import compose, initialize_config_dir
 
-    from engine.launch import external_run_dir, run_worker
+    from engine.launch import external_run_dir
+    from engine.worker import run_worker
 
     try:
         check_override_keys(argv, CONF_DIR)
@@ -80,4 +81,7 @@ if __name__ == "__main__":
             check_override_keys(sys.argv[1:], CONF_DIR)
         except ConfigError as error:
             fail(error)
+        from engine.launch import start_worker_server
+
+        start_worker_server()  # imports torch and the engine for the workers while this process validates
         main()

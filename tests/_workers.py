@@ -323,7 +323,7 @@ def killed_once_at_step_7(cfg: dict, run_dir: str) -> None:
 @record
 def writes_its_pid(cfg: dict, run_dir: str):
     """``run_worker``, after writing this process's pid to ``<run_dir>/pid<rank>`` (for tests that signal a worker)."""
-    from engine.launch import run_worker
+    from engine.worker import run_worker
 
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, f"pid{os.environ['RANK']}"), "w") as f:
@@ -380,3 +380,12 @@ def _guard_bookkeeping(cfg: dict, run_dir: str) -> None:
     }
     with open(os.path.join(run_dir, f"guard_rank{trainer.rank}.json"), "w") as f:
         json.dump(seen, f)
+
+
+ENV_PROBES = ("RELAXSYNC_PROBE_CHANGED", "RELAXSYNC_PROBE_REMOVED", "RANK", "LOCAL_RANK")
+
+
+@record
+def report_environment(cfg: dict, run_dir: str) -> dict:
+    """What a local worker sees of the environment."""
+    return {key: os.environ.get(key) for key in ENV_PROBES}

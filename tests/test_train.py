@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 from _rounding import assert_one_update_apart, keeps_initial_parameters
-from conftest import FAST, ROOT, TEST_RESNET_PARAMS, load_model_state, records, run_cli, train
+from conftest import FAST, ROOT, TEST_RESNET_PARAMS, load_model_state, plain_cfg, records, run_cli, train
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from engine.metrics import read_metrics
@@ -233,6 +233,45 @@ def _free_port() -> int:
 
 def _torchrun(*args: str) -> list[str]:
     return [str(Path(sys.executable).with_name("torchrun")), *args]
+
+
+def test_local_workers_see_the_environment_of_each_launch_and_their_own_rank(tmp_path, monkeypatch):
+    """Workers fork from a server started at the first launch of this process; each launch's environment, not the
+    server's, is what they see, with the agent's variables on top."""
+    from _workers import report_environment
+
+    from engine.launch import launch
+
+    cfg = plain_cfg(*FAST, "trainer.nproc=2")
+    monkeypatch.setenv("RELAXSYNC_PROBE_CHANGED", "first")
+    monkeypatch.setenv("RELAXSYNC_PROBE_REMOVED", "first")
+    first = launch(cfg, str(tmp_path / "first"), entrypoint=report_environment)
+    assert first == {
+        "RELAXSYNC_PROBE_CHANGED": "first",
+        "RELAXSYNC_PROBE_REMOVED": "first",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+    }
+    monkeypatch.setenv("RELAXSYNC_PROBE_CHANGED", "second")
+    monkeypatch.delenv("RELAXSYNC_PROBE_REMOVED")
+    second = launch(cfg, str(tmp_path / "second"), entrypoint=report_environment)
+    assert second == {
+        "RELAXSYNC_PROBE_CHANGED": "second",
+        "RELAXSYNC_PROBE_REMOVED": None,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+    }
+
+
+def test_adopt_environment_takes_the_launchers_values_and_keeps_the_agents(monkeypatch):
+    from engine.worker import adopt_environment
+
+    inherited = {"KEPT": "k", "CHANGED": "old", "REMOVED": "r", "RANK": "7"}
+    worker = {**inherited, "RANK": "1", "MASTER_PORT": "29500"}  # the agent set RANK and MASTER_PORT
+    launcher = {"KEPT": "k", "CHANGED": "new", "ADDED": "a", "RANK": "7"}
+    monkeypatch.setattr("os.environ", dict(worker))
+    adopt_environment(launcher, inherited)
+    assert os.environ == {"KEPT": "k", "CHANGED": "new", "ADDED": "a", "RANK": "1", "MASTER_PORT": "29500"}
 
 
 def test_runs_as_a_worker_under_torchrun(tmp_path):
