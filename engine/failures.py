@@ -43,6 +43,9 @@ from distributed.membership import Change, Membership, StoreLoop
 BEAT_S = 0.2  # heartbeat period
 SILENT_S = 2.0  # a rank that has not beaten for this long (10 beats) is gone
 TIMED_OUT = re.compile(r"timed out", re.IGNORECASE)
+# What a survivor reads when the peer's process is gone (gloo; NCCL's ncclRemoteError): the loss is "died";
+# any other failure of a collective is counted "hung" unless another survivor saw one of these.
+DIED = re.compile(r"connection (closed|reset) by peer|broken pipe|remote process exiting prematurely", re.IGNORECASE)
 
 
 class Phase(Enum):
@@ -115,12 +118,17 @@ class Recovery:
 
 
 def is_collective_failure(error: BaseException) -> bool:
-    """A collective that failed because a peer went away (gloo/NCCL), as opposed to a bug in this rank."""
-    if not isinstance(error, RuntimeError):  # (LeftRun, a SystemExit, never is one)
-        return False
-    text = str(error)
-    closed = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-    return TIMED_OUT.search(text) is not None or any(marker in text for marker in closed)
+    """Whether ``error``'s text says a peer went away (a closed connection, a timed-out collective)."""
+    return isinstance(error, RuntimeError) and (TIMED_OUT.search(str(error)) or DIED.search(str(error))) is not None
+
+
+def may_be_a_loss(error: BaseException) -> bool:
+    """Whether a part that raised ``error`` may have lost a peer: any error torch raises (gloo and NCCL raise
+    ``RuntimeError`` or its ``DistError`` subclasses), whatever its text, because the texts differ by backend,
+    version and moment. The store decides (:meth:`Failures.recover`): when every peer is still beating, ``error``
+    is raised again, as it was. Python's own errors (a ``KeyError``, a ``ValueError``), ``NotImplementedError``
+    and ``LeftRun`` never are."""
+    return isinstance(error, RuntimeError) and not isinstance(error, (NotImplementedError, RecursionError))
 
 
 class Heartbeat:
@@ -183,26 +191,36 @@ class Failures:
         return self.membership.key(f"failure{generation}/{name}")
 
     def recover(self, error: BaseException, at: Position) -> Recovery:
-        """Collective over the ranks still alive, after ``error`` (a failed collective) at ``at``. Returns what was
-        agreed; raises ``LeftRun`` on a rank that was removed, and ``error`` again when no peer is gone."""
+        """Collective over the ranks still alive, after ``error`` (a part that failed, :func:`may_be_a_loss`) at
+        ``at``. Returns what was agreed; raises ``LeftRun`` on a rank that was removed, and ``error`` again, as it
+        was, when no peer is gone."""
         try:
-            return self._recover(error, at)
+            recovery = self._recover(error, at)
         except dist.DistError as store_error:  # DistNetworkError, DistStoreError: the store is unreachable
             raise RuntimeError(
                 f"rank {self.membership.rank} lost a peer at step {at.step} and cannot reach the c10d store to agree "
                 f"with the others ({store_error}); the store lives with torchrun's agent on the first node, which is "
                 f"probably gone too. Continue from the last checkpoint with trainer.resume=auto"
             ) from error
+        if recovery is None:  # (raised out here: an NCCL error is a DistError too, and is not the store's)
+            raise error
+        return recovery
 
-    def _recover(self, error: BaseException, at: Position) -> Recovery:
+    def _recover(self, error: BaseException, at: Position) -> Recovery | None:
         m, generation = self.membership, self.membership.generation
-        cause = "hung" if TIMED_OUT.search(str(error)) else "died"
+        cause = "died" if DIED.search(str(error)) else "hung"
         decision = self._key(generation, "decision")
         if m.store.check([decision]):  # decided without this rank: it was hung, or it is late
             agreed = json.loads(m.store.get(decision))
         else:
             m.store.set(self._key(generation, f"in/{m.rank}"), cause)
-            gone = self._silent_peers(generation)
+            gone, undecided = self._silent_peers(generation)
+            if undecided:  # alive, and elsewhere: an error of this rank's own, not a loss
+                error.add_note(
+                    f"relaxsync: rank(s) {undecided} kept beating but never reached this failure in "
+                    f"{self.hang_timeout_s + SILENT_S:.0f} s: no peer is gone"
+                )
+                return None
             # A survivor waiting on another survivor times out even when the peer died: it died if anyone saw
             # its connection close.
             seen = [m.store.get(self._key(generation, f"in/{r}")).decode() for r in m.ranks if r not in gone]
@@ -214,7 +232,7 @@ class Failures:
             }
             agreed = m.propose(f"failure{generation}/decision", proposal)
         if not agreed["ranks"]:
-            raise error
+            return None
         what = f"as {agreed['cause']} at step {agreed['step']}"
         change = m.adopt(agreed, {r: f"was removed from the run {what}" for r in agreed["ranks"]})
         assert change is not None  # adopt raises on a removed rank, and the agreed ranks were active
@@ -250,9 +268,10 @@ class Failures:
             return box[0]
         return None
 
-    def _silent_peers(self, generation: int) -> list[int]:
+    def _silent_peers(self, generation: int) -> tuple[list[int], list[int]]:
         """Wait until every other active rank has checked in under ``generation`` or been silent for
-        :data:`SILENT_S`; return the silent ones."""
+        :data:`SILENT_S`; return the silent ones, and those still beating without having checked in when the wait
+        ends (``hang_timeout_s`` + ``SILENT_S``)."""
         m = self.membership
         others = [r for r in m.ranks if r != m.rank]
         # rank -> (last beat count read, when it last changed by our clock): from the heartbeat thread's reads
@@ -268,11 +287,6 @@ class Failures:
                 if r not in seen or seen[r][0] != beats:
                     seen[r] = (beats, now)
                 (silent if now - seen[r][1] >= SILENT_S else waiting).append(r)
-            if not waiting:
-                return silent
-            if now - start > self.hang_timeout_s + SILENT_S:
-                raise RuntimeError(
-                    f"rank(s) {waiting} keep beating but never reached the failure in {now - start:.0f} s; "
-                    f"cannot tell whether they are gone"
-                )
+            if not waiting or now - start > self.hang_timeout_s + SILENT_S:
+                return silent, waiting
             time.sleep(BEAT_S / 4)

@@ -4,8 +4,9 @@ collective, chosen once from ``trainer.on_failure``.
 - ``abort`` (:class:`NoGuard`): a failed collective ends the run (torchrun stops the other workers, and
   ``trainer.max_restarts`` or a new command resumes from the last checkpoint). The guard runs each part as it is
   and keeps nothing: no position, no history, no thread.
-- ``continue`` (:class:`SurvivingGuard`): a part whose collective fails because a peer is gone is redone on the
-  survivors' group once they agree who is gone (``engine/failures.py``). The guard knows where the loop is (a
+- ``continue`` (:class:`SurvivingGuard`): a part that fails because a peer is gone is redone on the survivors'
+  group once they agree who is gone (``engine/failures.py``); whatever the error's text says, the store decides
+  whether anyone is. The guard knows where the loop is (a
   :class:`Position` and a :class:`Site`), keeps the latest records (the logging rank may be healed and must write
   those it missed), writes the ``rank_lost`` event once what was in flight is done again, and heals a survivor
   left a collective behind through the trainer's ``state_dict()`` / ``load_state_dict()``: that rank raises
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from algorithms.base import SyncReport
 from distributed.comm import tensor_bytes
 from distributed.membership import Membership, host_names
-from engine.failures import Failures, Phase, Position, is_collective_failure
+from engine.failures import Failures, Phase, Position, may_be_a_loss
 
 HISTORY = 4096  # records kept for a peer that falls behind by a collective and must write them
 
@@ -134,7 +135,7 @@ class SurvivingGuard:
                 result = part()
                 break
             except Exception as error:
-                if not is_collective_failure(error):
+                if not may_be_a_loss(error):
                     raise
                 self._recover(error, epoch)
         if phase not in (Phase.STEP, Phase.EXCHANGE, Phase.EXIT):  # (a step's, after its record; none after exit)
