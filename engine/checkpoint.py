@@ -1,16 +1,25 @@
-"""Checkpoints: written atomically, read back with ``weights_only=True``; :class:`Checkpointer` is the policy.
+"""Checkpoints: written atomically, the last two kept, read back with ``weights_only=True``; :class:`Checkpointer`
+is the policy.
 
 ``checkpoints/last.pt`` (written by the logging rank) holds the model (unwrapped), optimizer, AMP scaler, LR
 schedule, the sync algorithm's shared state, the position (epoch, step, step within the epoch) and the resolved
 config as a plain dict. Beside it, ``sync_rank<r>.pt`` holds rank r's own sync state (DGC residuals, local
 momenta), written by that rank, tagged with the step so that a stale one is never mistaken for current.
 ``stop.json`` names the torchrun job (its rendezvous id) whose world a signal stopped at that checkpoint.
+
+Each write replaces its file only once the new version is complete on disk, and keeps the version it replaces
+as ``previous.pt`` (``sync_rank<r>.previous.pt``). A process killed while writing leaves the last checkpoint as
+it was; a full disk is one error that says so; a checkpoint that cannot be read (truncated, corrupted) is named,
+and ``trainer.resume=auto`` (and a restarted world) then resumes from the one before it.
 """
 
 from __future__ import annotations
 
+import errno
+import glob
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from typing import Any, BinaryIO
@@ -18,21 +27,39 @@ from typing import Any, BinaryIO
 import torch
 
 LAST = "last.pt"
+PREVIOUS = "previous.pt"
 STOP = "stop.json"
+
+
+class CheckpointError(OSError):
+    """A checkpoint that cannot be written or read; what was there before is intact. (An ``OSError``: never taken
+    for a lost peer by ``trainer.on_failure=continue``.)"""
+
+
+def previous_path(path: str) -> str:
+    """Where the version that ``path`` replaced is kept: ``last.pt`` -> ``previous.pt``, ``x.pt`` ->
+    ``x.previous.pt``."""
+    directory, name = os.path.split(path)
+    if name == LAST:
+        return os.path.join(directory, PREVIOUS)
+    stem, ext = os.path.splitext(name)
+    return os.path.join(directory, f"{stem}.previous{ext}")
 
 
 def checkpoint_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoints")
 
 
-def save_atomic(state: dict[str, Any], path: str) -> None:
+def save_atomic(state: dict[str, Any], path: str, keep_previous: bool = False) -> None:
     """``torch.save`` ``state`` to ``path`` through :func:`write_atomic`."""
-    write_atomic(path, lambda f: torch.save(state, f))
+    write_atomic(path, lambda f: torch.save(state, f), keep_previous)
 
 
-def write_atomic(path: str, write: Callable[[BinaryIO], None]) -> None:
+def write_atomic(path: str, write: Callable[[BinaryIO], None], keep_previous: bool = False) -> None:
     """``write(f)`` to a temporary file in the same directory, fsync, then rename over ``path``: a crash at any
-    point leaves either the old file or the new one, never a torn one."""
+    point leaves either the old file or the new one, never a torn one. With ``keep_previous`` the old one is first
+    renamed to :func:`previous_path` (a crash between the two renames leaves it there, and no ``path``). A full
+    disk raises :class:`CheckpointError`."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=directory)
@@ -41,24 +68,43 @@ def write_atomic(path: str, write: Callable[[BinaryIO], None]) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if keep_previous and os.path.exists(path):
+            os.replace(path, previous_path(path))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            free = shutil.disk_usage(directory).free
+            raise CheckpointError(
+                f"no space left to write {path} ({free / 2**20:.0f} MiB free in {directory}); the checkpoint "
+                f"before it is intact: free space, then continue with trainer.resume=auto",
+            ) from error
         raise
 
 
 def load(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    return torch.load(path, map_location=map_location, weights_only=True)
+    """Read a checkpoint file; one that cannot be read (truncated, corrupted, not a checkpoint) raises
+    :class:`CheckpointError` naming it."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # torch raises RuntimeError, EOFError, UnpicklingError... by what is wrong
+        raise CheckpointError(f"cannot read checkpoint {path} ({type(error).__name__}: {error})") from error
 
 
 def resolve_resume(resume: str | None, run_dir: str) -> str | None:
-    """``null`` -> None; ``auto`` -> the run dir's last checkpoint if there is one; otherwise the path."""
+    """``null`` -> None; ``auto`` -> the run dir's last checkpoint if there is one (its previous one if a crash
+    came between the two renames of a write); otherwise the path."""
     if resume is None:
         return None
     if resume == "auto":
-        path = os.path.join(checkpoint_dir(run_dir), LAST)
-        return path if os.path.isfile(path) else None
+        for name in (LAST, PREVIOUS):
+            path = os.path.join(checkpoint_dir(run_dir), name)
+            if os.path.isfile(path):
+                return path
+        return None
     return resume
 
 
@@ -79,8 +125,12 @@ class Checkpointer:
         self.job = os.environ.get("TORCHELASTIC_RUN_ID")
         self.stop_path = os.path.join(checkpoint_dir(run_dir), STOP)
         self.rejoined = resume is None and not self.restart and self.job is not None and self._stopped_job() == self.job
-        auto = resume is None and (self.restart or self.rejoined)
-        self.resume_path = resolve_resume("auto" if auto else resume, run_dir)
+        self.auto = resume == "auto" or (resume is None and bool(self.restart or self.rejoined))
+        self.resume_path = resolve_resume("auto" if self.auto else resume, run_dir)
+        self.unreadable: str | None = None  # why the last checkpoint was passed over for the one before it
+        if rank == 0:  # before any rank writes: what a write killed midway left
+            for leftover in glob.glob(os.path.join(checkpoint_dir(run_dir), ".tmp-*")):
+                os.unlink(leftover)
 
     def _stopped_job(self) -> str | None:
         if not os.path.isfile(self.stop_path):
@@ -106,9 +156,9 @@ class Checkpointer:
         passing ``state``, writes the checkpoint itself and, when a signal (``stopped_by``) stopped a torchrun
         world, which job it was."""
         if local:
-            save_atomic({"sync": local, "step": step}, self.local_path(self.path))
+            save_atomic({"sync": local, "step": step}, self.local_path(self.path), keep_previous=True)
         if state is not None:
-            save_atomic(state, self.path)
+            save_atomic(state, self.path, keep_previous=True)
             if stopped_by is not None and self.job is not None:
                 marker = json.dumps({"job": self.job, "step": step, "signal": stopped_by}).encode()
                 write_atomic(self.stop_path, lambda f: f.write(marker))
@@ -124,19 +174,35 @@ class Checkpointer:
         return writes
 
     def load(self) -> dict[str, Any] | None:
-        """The checkpoint to resume from, or None for a fresh run."""
-        return load(self.resume_path) if self.resume_path else None
+        """The checkpoint to resume from, or None for a fresh run. Under ``trainer.resume=auto`` (and in a restarted
+        world) a last checkpoint that cannot be read is named and the one before it is used; a path given to
+        ``trainer.resume`` that cannot be read is an error that names the one before it, if there is one."""
+        if not self.resume_path:
+            return None
+        try:
+            return load(self.resume_path)
+        except CheckpointError as error:
+            before = previous_path(self.resume_path)
+            if not os.path.isfile(before) or before == self.resume_path:
+                raise
+            if not self.auto:
+                raise CheckpointError(f"{error}; the one before it: trainer.resume={before}") from error
+            self.unreadable = str(error)  # said in the resume line and event
+            self.resume_path = before
+            return load(before)
 
     def load_local(self, step: int, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any] | None, str]:
         """This rank's own sync state saved with the checkpoint of ``step``, or None and why there is none (the
         rank was not in the run at that checkpoint, or the run had fewer ranks)."""
         path = self.local_path(self.resume_path)
+        for candidate in (path, previous_path(path)):  # (a checkpoint's previous.pt: this rank's file was rotated)
+            if os.path.isfile(candidate):
+                own = load(candidate, map_location=map_location)
+                if own["step"] == step:
+                    return own["sync"], candidate
         if not os.path.isfile(path):
             return None, f"no {path}"
-        own = load(path, map_location=map_location)
-        if own["step"] != step:
-            return None, f"{path} is from step {own['step']}, the checkpoint from step {step}"
-        return own["sync"], path
+        return None, f"{path} is not from step {step}, the checkpoint's"
 
     def restore_sync(self, sync: Any, state: dict[str, Any], device: torch.device) -> None:
         """The sync algorithm's shared state from the checkpoint ``state``, and this rank's own if it saved one."""
@@ -152,11 +218,14 @@ class Checkpointer:
         ``engine.state.RunState``) from a checkpoint written by ``before`` ranks (None: as many)."""
         path, restart, before = self.resume_path, self.restart, before or world_size
         event = {"event": "resume", "path": path, "restart": restart, "world_size_before": before}
+        passed_over = f" ({self.unreadable}; it is the one before it)" if self.unreadable else ""
+        if self.unreadable:
+            event["unreadable"] = self.unreadable
         after = f" in torchrun job {self.job} after its stop" if self.rejoined else ""
         after = after or (f" after restart {restart}" if restart else "")
         grown = f", {before} -> {world_size} ranks" if before != world_size else ""
         where = f"step {run.step} (epoch {run.epoch + 1} of {epochs}{grown})"
-        return event, f"relaxsync: resumed{after} from {where} of {path}"
+        return event, f"relaxsync: resumed{after} from {where} of {path}{passed_over}"
 
     def finished(self, run: Any, epochs: int) -> str:
         """The line of a run resumed from a checkpoint at its end (``run``, an ``engine.state.RunState``)."""

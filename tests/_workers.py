@@ -66,8 +66,8 @@ def uninterrupted_and_resumed(cfg: dict, run_dir: str) -> None:
 
     save_atomic = checkpoint.save_atomic
 
-    def save_and_keep(state: dict, path: str) -> None:
-        save_atomic(state, path)
+    def save_and_keep(state: dict, path: str, keep_previous: bool = False) -> None:
+        save_atomic(state, path, keep_previous)
         kept = os.path.join(os.path.dirname(path), f"step{state['step']}")
         os.makedirs(kept, exist_ok=True)
         shutil.copy(path, kept)
