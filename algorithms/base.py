@@ -43,7 +43,10 @@ collectives return a ``Pending`` whose bytes are counted when issued). ``drain()
 exchange in flight; the trainer calls it before each evaluation, checkpoint and the end, and a wrapper before
 it asks for a membership change, so all of those see a settled state and a resumed run continues from it.
 When an exchange is applied must not depend on timing (only on the step), so that every rank, and a resumed
-run, applies it at the same point.
+run, applies it at the same point. After a lost rank (``trainer.on_failure=continue``) an exchange issued on the
+replaced group is dropped, alike on every survivor: its ``Pending.wait()`` returns None, and the algorithm goes
+on as if it had not been issued (SGP takes back the shares it sent, crossover and DiLoCo skip that mix or outer
+step); keep a due exchange in flight until its ``wait()`` returned, so that one whose wait fails is dropped too.
 
 **State.** ``state_dict()`` is what every rank holds identically (counters, periods): saved once, by the
 logging rank, in the main checkpoint. ``local_state_dict()`` is this rank's own state (DGC residuals, local

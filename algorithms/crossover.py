@@ -165,7 +165,8 @@ class Crossover(Gossip):
 
     def _gossip_overlapped(self, step: int) -> dict[str, Any]:
         while self._in_flight and self._in_flight[0][0] <= step:
-            self._mix(*self._in_flight.popleft()[1:])
+            self._mix(*self._in_flight[0][1:])  # (left in flight if its exchange fails: dropped after the regroup)
+            self._in_flight.popleft()
         snapshot = self.flat_parameters()
         sends, recvs = self._segments(snapshot, step)
         pending = self.ctx.comm.exchange_async(sends, recvs)
@@ -173,14 +174,20 @@ class Crossover(Gossip):
         return {"events": self._gossip_event(step), "rounds_in_flight": len(self._in_flight)}
 
     def _mix(self, pending: Pending, snapshot: torch.Tensor) -> None:
+        """Move each segment halfway to the copy received (by what the peer's changed since the snapshot). A
+        dropped round (issued before the ranks changed) changes nothing."""
+        received = pending.wait()
+        if received is None:
+            return
         flat = self.flat_parameters()
-        for (_, lo, hi), buf in zip(self.ranges, pending.wait()):
+        for (_, lo, hi), buf in zip(self.ranges, received):
             flat[lo:hi].add_(buf.sub_(snapshot[lo:hi]), alpha=0.5)
         self.set_flat_parameters(flat)
 
     def drain(self) -> None:
         while self._in_flight:
-            self._mix(*self._in_flight.popleft()[1:])
+            self._mix(*self._in_flight[0][1:])
+            self._in_flight.popleft()
 
     def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
         if not self.sync_grad or step % self.period:

@@ -150,14 +150,18 @@ class DiLoCo(Replicas):
             self._in_flight.append(FragmentSync(step + self.delay, fragment, self._start(fragment)))
             metrics["outer_fragment"] = fragment
         while self._in_flight and self._in_flight[0].due <= step:
-            metrics["pseudo_grad_norm"] = self._apply(self._in_flight.popleft())
+            norm = self._apply(self._in_flight[0])  # (left in flight if it fails: dropped after the regroup)
+            self._in_flight.popleft()
+            if norm is not None:
+                metrics["pseudo_grad_norm"] = norm
         if (step + 1) % self.inner_steps == 0 and self.average_buffers:
             self.ctx.comm.average_buffers(self.model)
         return SyncReport(metrics=metrics)
 
     def drain(self) -> None:
         while self._in_flight:
-            self._apply(self._in_flight.popleft())
+            self._apply(self._in_flight[0])
+            self._in_flight.popleft()
 
     # ---- one fragment's outer step ---------------------------------------------------------------------------
     def _start(self, fragment: int) -> Pending:
@@ -171,11 +175,15 @@ class DiLoCo(Replicas):
             return comm.all_reduce_async(delta.half())
         return comm.all_reduce_async(delta)
 
-    def _apply(self, sync: FragmentSync) -> float:
+    def _apply(self, sync: FragmentSync) -> float | None:
         """Average the pseudo-gradients, take the outer step on the fragment and set the local fragment from the
-        new global one; returns the averaged pseudo-gradient's norm."""
+        new global one; returns the averaged pseudo-gradient's norm. A dropped exchange (issued before the ranks
+        changed) takes no outer step (None): the fragment keeps its local progress, and its next outer step, on
+        the survivors, brings the replicas together again."""
         lo, hi = self.ranges[sync.fragment]
         result, n = sync.pending.wait(), self.ctx.comm.size
+        if result is None:
+            return None
         if self.quantize == "int8":
             delta = sum(dequantize_int8(packed, hi - lo, self.quant_block) for packed in result) / n
         else:

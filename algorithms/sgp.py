@@ -43,7 +43,8 @@ class Round:
 
     due: int  # the step after which it is mixed in
     pending: Pending  # its exchange (the result: the received messages)
-    message: torch.Tensor  # what this rank sent (kept alive until the send is done)
+    message: torch.Tensor  # what this rank sent to each out-peer (kept alive until the send is done)
+    copies: int  # how many out-peers it was sent to
 
 
 class SGP(Gossip):
@@ -127,25 +128,31 @@ class SGP(Gossip):
 
     def _gossip_overlapped(self, step: int) -> dict[str, Any]:
         while self._in_flight and self._in_flight[0].due <= step:
-            self._mix(self._in_flight.popleft())
+            self._mix(self._in_flight[0])  # (left in flight if its exchange fails: dropped after the regroup)
+            self._in_flight.popleft()
         message, outs, ins = self._message(step)
         self.weight *= 1.0 / (len(outs) + 1)  # the share this rank keeps; its model is unchanged
         received = [torch.empty_like(message) for _ in ins]
         pending = self.ctx.comm.exchange_async([(message, o) for o in outs], list(zip(received, ins)))
-        self._in_flight.append(Round(step + self.synch_freq, pending, message))
+        self._in_flight.append(Round(step + self.synch_freq, pending, message, len(outs)))
         return {"push_sum_weight": self.weight, "gossip_peer": outs[0], "rounds_in_flight": len(self._in_flight)}
 
     def _mix(self, round_: Round) -> None:
-        """Add a landed round's numerators and weights to this rank's current ones."""
+        """Add a landed round's numerators and weights to this rank's current ones. A dropped round (issued before
+        the ranks changed) was never received: the shares this rank sent come back to it, so the survivors' mass
+        is what it was."""
+        received = round_.pending.wait()
+        landed = received if received is not None else [round_.message] * round_.copies
         numerator = self.flat_parameters().mul_(self.weight)
-        for buf in round_.pending.wait():
+        for buf in landed:
             numerator.add_(buf[:-1])
             self.weight += float(buf[-1])
         self.set_flat_parameters(numerator.div_(self.weight))
 
     def drain(self) -> None:
         while self._in_flight:
-            self._mix(self._in_flight.popleft())
+            self._mix(self._in_flight[0])
+            self._in_flight.popleft()
 
     def before_eval(self) -> None:
         super().before_eval()

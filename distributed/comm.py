@@ -52,15 +52,28 @@ class CommCounts:
 
 class Pending:
     """A collective in flight. Its bytes were counted when it was issued; :meth:`wait` blocks until it is done,
-    counts the time blocked as communication, and returns its result (the tensor(s) it filled)."""
+    counts the time blocked as communication, and returns its result (the tensor(s) it filled).
+
+    One rule for work in flight across a change of the active ranks (a lost peer): a collective issued on a group
+    that has since been replaced is **dropped**, alike on every survivor. Its :meth:`wait` returns None at once,
+    without touching the old group (where it may never finish, or may have finished on some ranks only), and the
+    algorithm goes on as if it had never been issued."""
 
     def __init__(self, comm: Communicator, works: list[Any], result: Any = None):
         self.comm, self.works, self.result = comm, works, result
+        self.generation = comm.membership.generation  # of the group it was issued on
+
+    @property
+    def dropped(self) -> bool:
+        return self.generation != self.comm.membership.generation
 
     def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
+        return self.dropped or all(work.is_completed() for work in self.works)
 
     def wait(self) -> Any:
+        """The result, or None for a dropped collective."""
+        if self.dropped:
+            return None
         start = time.perf_counter()
         for work in self.works:
             work.wait()
