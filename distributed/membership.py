@@ -138,9 +138,13 @@ class Membership:
         prints ``reasons[rank]`` (or ``cause``) and raises :class:`LeftRun`."""
         return self.adopt(self.agree("remove", {"ranks": sorted(set(ranks)), "cause": cause}), reasons)
 
-    def adopt(self, agreed: dict[str, Any], reasons: dict[int, str] | None = None) -> Change | None:
+    def adopt(
+        self, agreed: dict[str, Any], reasons: dict[int, str] | None = None, abort_replaced: bool = False
+    ) -> Change | None:
         """Carry out an agreed removal (``{"ranks": [...], "cause": ...}``, the same on every rank): the survivors
-        form their new group; a removed rank raises :class:`LeftRun`."""
+        form their new group; a removed rank raises :class:`LeftRun`. With ``abort_replaced`` (a rank was lost)
+        each survivor then aborts the group it replaced, never the default one: on NCCL a collective of the old
+        group may still be waiting on the lost rank, and what the survivors queue next would wait behind it."""
         removed = [r for r in agreed["ranks"] if r in self.ranks]
         if not removed:
             return None
@@ -151,8 +155,11 @@ class Membership:
             reason = (reasons or {}).get(self.rank, f"removed ({agreed['cause']})")
             print(f"relaxsync: rank {self.rank} {reason}; exiting", flush=True)
             raise LeftRun(self.rank, reason)
+        replaced = self.group
         self.group = dist.new_group(survivors, use_local_synchronization=True, timeout=self.timeout)
         self.ranks = survivors
+        if abort_replaced and replaced is not dist.group.WORLD:
+            dist.distributed_c10d._abort_process_group(replaced)
         self.changes.append(Change(self.generation, removed, survivors, agreed["cause"]))
         return self.changes[-1]
 

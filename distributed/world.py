@@ -17,9 +17,28 @@ def select_device(name: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(backend: str, timeout_s: float) -> None:
-    """The default process group. A world restarted by the elastic agent meets in a fresh part of the agent's
-    store: the first attempt's keys are still there, and gloo would try to reach a previous rank's address."""
+# How torch's NCCL watchdog handles a collective that failed or passed its deadline. Modes 1 (tear down) and 3
+# (skip clean-up, torch's default) end the process, which would end every survivor of a lost peer; 2 (clean up
+# only) aborts the communicator and lets the process live to agree with the others through the store; 0 does
+# nothing. torchrun's agent (and the local launcher's) sets 1 for its workers; under trainer.on_failure=continue a
+# worker sets 2 over it, before its process group reads it, unless the mode already is one that survives.
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+SURVIVING_NCCL_MODES = ("0", "2")
+
+
+def nccl_environment(survive_failures: bool, env: os._Environ | dict = os.environ) -> dict[str, str]:
+    """What a worker sets in its environment before an NCCL process group."""
+    if survive_failures and env.get(NCCL_ERROR_HANDLING) not in SURVIVING_NCCL_MODES:
+        return {NCCL_ERROR_HANDLING: "2"}
+    return {}
+
+
+def init_distributed(backend: str, timeout_s: float, survive_failures: bool = False) -> None:
+    """The default process group (on NCCL, with the environment :func:`nccl_environment` gives). A world restarted
+    by the elastic agent meets in a fresh part of the agent's store: the first attempt's keys are still there, and
+    gloo would try to reach a previous rank's address."""
+    if backend == "nccl":
+        os.environ.update(nccl_environment(survive_failures))
     timeout = datetime.timedelta(seconds=timeout_s)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

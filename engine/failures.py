@@ -234,7 +234,7 @@ class Failures:
         if not agreed["ranks"]:
             return None
         what = f"as {agreed['cause']} at step {agreed['step']}"
-        change = m.adopt(agreed, {r: f"was removed from the run {what}" for r in agreed["ranks"]})
+        change = m.adopt(agreed, {r: f"was removed from the run {what}" for r in agreed["ranks"]}, abort_replaced=True)
         assert change is not None  # adopt raises on a removed rank, and the agreed ranks were active
         m.store.set(self._key(generation, f"at/{m.rank}"), json.dumps(at.wire()))
         keys = [self._key(generation, f"at/{r}") for r in change.ranks]

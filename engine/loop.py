@@ -42,7 +42,9 @@ class Trainer:
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.device = select_device(t["device"], int(os.environ.get("LOCAL_RANK", 0)))
         if not dist.is_initialized():
-            init_distributed("nccl" if self.device.type == "cuda" else "gloo", t["timeout_s"])
+            init_distributed(
+                "nccl" if self.device.type == "cuda" else "gloo", t["timeout_s"], t["on_failure"] == "continue"
+            )
         self.membership = training_membership(t["on_failure"], t["hang_timeout_s"], self.rank, self.world_size)
         self.comm = Communicator(self.membership)
         torch.manual_seed(t["seed"])  # the same on every rank: identical initial replicas (without DDP too)

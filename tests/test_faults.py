@@ -629,3 +629,46 @@ def test_a_survivor_one_collective_behind_is_healed_from_the_front_and_the_run_g
     if redo == "evaluation":
         assert [e["step"] for e in records(metrics, "eval")].count(front_step) == 1  # written once, after the redo
     assert "take rank 1's state" in (run_dir / "train.log").read_text()
+
+
+def test_survivors_abort_each_group_they_replace_after_a_loss_and_never_the_default_one():
+    """What NCCL needs after a loss (a collective of the old group may still wait on the lost rank): every survivor
+    aborts the group it replaced, once per change; the default group (the first change of a run that trained on
+    it) is never aborted, or no group could be formed again. Checked on torch's ``fake`` backend, in a process of
+    its own, with a spy on ``_abort_process_group``."""
+    script = """
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from distributed.membership import Membership
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+aborted, real = [], dist.distributed_c10d._abort_process_group
+dist.distributed_c10d._abort_process_group = lambda group=None: (aborted.append(group), real(group))
+m = Membership(0, 4, dist.new_group([0, 1, 2, 3]))
+groups = [m.group]
+for lost, cause in ((3, "died"), (2, "hung")):
+    m.adopt({"ranks": [lost], "cause": cause}, abort_replaced=True)
+    groups.append(m.group)
+assert aborted == groups[:2] and m.ranks == [0, 1], (aborted, groups)
+on_world = Membership(0, 3)
+on_world.adopt({"ranks": [2], "cause": "died"}, abort_replaced=True)
+evicted = Membership(0, 3, dist.new_group([0, 1, 2]))
+evicted.adopt({"ranks": [2], "cause": "slow"})
+assert len(aborted) == 2, aborted
+print("ok")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=dict(env(), PYTHONPATH=str(ROOT)), capture_output=True, text=True
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_under_continue_nccl_is_kept_from_ending_the_survivors():
+    """torch's NCCL watchdog ends a process whose collective failed unless its mode is 0 or 2; torchrun's agent
+    gives its workers 1. A worker of a run that survives failures sets 2 over it (and over torch's default, 3)."""
+    from distributed.world import NCCL_ERROR_HANDLING, nccl_environment
+
+    assert nccl_environment(True, {}) == {NCCL_ERROR_HANDLING: "2"}
+    assert nccl_environment(True, {NCCL_ERROR_HANDLING: "1"}) == {NCCL_ERROR_HANDLING: "2"}  # torchrun's
+    assert nccl_environment(True, {NCCL_ERROR_HANDLING: "3"}) == {NCCL_ERROR_HANDLING: "2"}
+    assert nccl_environment(True, {NCCL_ERROR_HANDLING: "0"}) == {}
+    assert nccl_environment(False, {NCCL_ERROR_HANDLING: "1"}) == {}  # under abort, torchrun's choice stands
