@@ -183,7 +183,7 @@ class Checkpointer:
             return load(self.resume_path)
         except CheckpointError as error:
             before = previous_path(self.resume_path)
-            if not os.path.isfile(before) or before == self.resume_path:
+            if not os.path.isfile(before):
                 raise
             if not self.auto:
                 raise CheckpointError(f"{error}; the one before it: trainer.resume={before}") from error

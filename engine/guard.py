@@ -6,11 +6,11 @@ collective, chosen once from ``trainer.on_failure``.
   and keeps nothing: no position, no history, no thread.
 - ``continue`` (:class:`SurvivingGuard`): a part that fails because a peer is gone is redone on the survivors'
   group once they agree who is gone (``engine/failures.py``); whatever the error's text says, the store decides
-  whether anyone is. The guard knows where the loop is (a
-  :class:`Position` and a :class:`Site`), keeps the latest records (the logging rank may be healed and must write
-  those it missed), writes the ``rank_lost`` event once what was in flight is done again, and heals a survivor
-  left a collective behind through the trainer's ``state_dict()`` / ``load_state_dict()``: that rank raises
-  :class:`CatchUp` up to the loop, which enters again where the front is.
+  whether anyone is. The guard knows where the loop is (a :class:`Position` and a :class:`Site`), keeps the
+  latest records (the logging rank may be healed and must write those it missed), writes the ``rank_lost`` event
+  once what was in flight is done again, and heals a survivor left a collective behind through the trainer's
+  ``state_dict()`` / ``load_state_dict()``: that rank raises :class:`CatchUp` up to the loop, which enters again
+  where the front is.
 
 The sync algorithm learns of the change the way it learns of any: the trainer's ``apply`` calls its
 ``on_membership_change(change)`` and carries out the report it returns.
