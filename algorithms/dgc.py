@@ -204,6 +204,7 @@ class DGC(SyncAlgorithm):
     def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
         compute_end = time.perf_counter()
         comm, n = self.ctx.comm, self.ctx.comm.size
+        self._settle(step)
         sparsity = sparsity_at(step, self.rampup_begin_step, self.rampup_step, self.sparsity)
         dense_ids = list(range(len(self.params))) if sparsity is None else self.small
         grads = [self._grad(i) for i in range(len(self.params))]
@@ -245,11 +246,8 @@ class DGC(SyncAlgorithm):
             self._accumulated = step
         indices, values, k_total, sent = self._compress(sparsity)
         compress_s = time.perf_counter() - start
-        try:
-            gathered = comm.all_gather(pack(indices, values))  # values and indices in one allgather
-        except Exception:
-            self._restore_selected()  # what was taken out to be sent goes back: nothing of the step is applied
-            raise
+        # If the allgather fails, what was taken out to be sent stays out until the step is settled (_settle).
+        gathered = comm.all_gather(pack(indices, values))  # values and indices in one allgather
         self._commit(dense_u)
         all_indices, all_values = zip(*(unpack(g, indices.numel(), values.dtype) for g in gathered))
         update = self._update.zero_()  # grads were read above, so backward may have accumulated into these views
@@ -287,6 +285,15 @@ class DGC(SyncAlgorithm):
         """The step's exchanges all succeeded: keep its dense momenta; nothing is left to put back."""
         for i, u in dense_u.items():
             self.u_dense[i].copy_(u)
+        self._taken = []
+
+    def _settle(self, step: int) -> None:
+        """Settle a selection whose allgather failed on this rank (``trainer.on_failure: continue``), at the next
+        call. The same step again is a redo: nobody finished that exchange, so nothing of it was applied anywhere
+        and the selection goes back into the residuals. A later step means this rank was healed from a peer that
+        did finish it (engine/failures.py): that peer applied this rank's share, which must not be sent twice."""
+        if self._taken and self._accumulated == step:
+            self._restore_selected()
         self._taken = []
 
     def _restore_selected(self) -> None:
@@ -348,18 +355,29 @@ class DGC(SyncAlgorithm):
             values = values.half()
         return indices, values, k_total, sent
 
-    # ---- state: all of it is this rank's own -------------------------------------------------------------
+    # ---- state ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The dense tensors' momentum: the same on every rank (accumulated from averaged gradients), so it is the
+        replica's, saved once and taken over by a rank healed from a peer with the peer's parameters."""
+        return {"u_dense": [self.u_dense[i] for i in range(len(self.params))]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_dense_momentum(state)
+
     def local_state_dict(self) -> dict[str, Any]:
+        """This rank's own: the compressed tensors' momentum and residuals, and its sampling generator."""
         return {
             "u": self.u,
             "v": self.v,
-            "u_dense": [self.u_dense[i] for i in range(len(self.params))],
             "generator": self.generator.get_state(),  # the threshold samples: resume draws what it would have
         }
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         self.u.copy_(state["u"])
         self.v.copy_(state["v"])
-        for i, t in enumerate(state["u_dense"]):
-            self.u_dense[i].copy_(t)
+        self._load_dense_momentum(state)  # (checkpoints written before it moved to state_dict hold it here)
         self.generator.set_state(state["generator"])
+
+    def _load_dense_momentum(self, state: dict[str, Any]) -> None:
+        for i, t in enumerate(state.get("u_dense", ())):
+            self.u_dense[i].copy_(t)

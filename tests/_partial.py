@@ -2,10 +2,12 @@
 the case of a kill inside the last collective of a step, made deterministic (importable by torchrun's workers as
 ``sync._target_=tests._partial.PartialExchange``). Where and when, from the environment:
 ``PARTIAL_KILL_STEP`` (default 12) and ``PARTIAL_IN``: ``exchange`` (the parameters, after the optimizer step, as
-local SGD does) or ``backward`` (the gradients, before it, as DDP does)."""
+local SGD does) or ``backward`` (the gradients, before it, as DDP does). :class:`PartialDGC` is DGC with its sparse
+allgather of that step left so (``sync.inner._target_=tests._partial.PartialDGC`` under relaxed sync)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -13,7 +15,8 @@ import time
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from algorithms.base import StepResult, SyncReport
+from algorithms.base import StepResult, SyncContext, SyncReport
+from algorithms.dgc import DGC
 from algorithms.none import NoSync
 
 VICTIM, AHEAD = 2, 1
@@ -45,18 +48,55 @@ class PartialExchange(NoSync):
         return SyncReport()
 
     def _mean(self, own: torch.Tensor, step: int) -> torch.Tensor:
-        m = self.ctx.membership
-        peers = [r for r in m.ranks if r != m.rank]
-        got = {r: torch.empty_like(own) for r in peers}
-        if m.rank == VICTIM and step == self.kill_step:
-            self.ctx.comm.exchange([], [(got[r], r) for r in peers])
-            self.ctx.comm.exchange([(own, AHEAD)], [])
-            time.sleep(0.5)  # (rank AHEAD reads it before the connection closes)
-            os.kill(os.getppid(), signal.SIGKILL)  # the node goes: its agent, then this worker
-            os.kill(os.getpid(), signal.SIGKILL)
-        self.ctx.comm.exchange([(own, r) for r in peers], [(got[r], r) for r in peers])
-        got[m.rank] = own
+        got = gather_leaving_one_behind(self.ctx, own, step == self.kill_step)
         total = torch.zeros_like(own)
-        for r in m.ranks:
-            total += got[r]
-        return total / len(m.ranks)
+        for tensor in got:
+            total += tensor
+        return total / len(got)
+
+
+def gather_leaving_one_behind(ctx: SyncContext, own: torch.Tensor, kill: bool) -> list[torch.Tensor]:
+    """Every active rank's ``own``, in rank order, by point-to-point sends to every other rank. With ``kill``,
+    rank :data:`VICTIM` receives from everyone, sends to rank :data:`AHEAD` only, and kills its node."""
+    m = ctx.membership
+    peers = [r for r in m.ranks if r != m.rank]
+    got = {r: torch.empty_like(own) for r in peers}
+    if m.rank == VICTIM and kill:
+        ctx.comm.exchange([], [(got[r], r) for r in peers])
+        ctx.comm.exchange([(own, AHEAD)], [])
+        time.sleep(0.5)  # (rank AHEAD reads it before the connection closes)
+        os.kill(os.getppid(), signal.SIGKILL)  # the node goes: its agent, then this worker
+        os.kill(os.getpid(), signal.SIGKILL)
+    ctx.comm.exchange([(own, r) for r in peers], [(got[r], r) for r in peers])
+    got[m.rank] = own
+    return [got[r] for r in m.ranks]
+
+
+class PartialDGC(DGC):
+    """DGC whose sparse allgather of step ``PARTIAL_KILL_STEP`` (in the world it started with) is
+    :func:`gather_leaving_one_behind`: rank AHEAD applies that step, the others fail in it."""
+
+    def setup(self, model, optimizer, ctx: SyncContext) -> None:
+        self.kill_step = int(os.environ.get("PARTIAL_KILL_STEP", "12"))
+        self._step, self._world = -1, ctx.membership.size
+        super().setup(model, optimizer, dataclasses.replace(ctx, comm=_Gather(ctx.comm, self)))
+
+    def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
+        self._step = step
+        return super().after_backward(step, grads_finite)
+
+
+class _Gather:
+    """The communicator, with its allgather replaced at the kill step."""
+
+    def __init__(self, comm, dgc: PartialDGC):
+        self._comm, self._dgc = comm, dgc
+
+    def __getattr__(self, name: str):
+        return getattr(self._comm, name)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        dgc = self._dgc
+        if dgc._step != dgc.kill_step or dgc.ctx.membership.size != dgc._world:
+            return self._comm.all_gather(tensor)
+        return gather_leaving_one_behind(dataclasses.replace(dgc.ctx, comm=self._comm), tensor, kill=True)

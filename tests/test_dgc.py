@@ -78,6 +78,11 @@ def test_a_failed_exchange_puts_back_what_was_selected():
     dgc._commit({})  # the exchange succeeded: nothing is put back any more
     dgc._restore_selected()
     assert not torch.equal(dgc.v, v)
+    dgc.v.copy_(v)
+    dgc._accumulated = 7
+    dgc._compress(0.99)
+    dgc._settle(7)  # the exchange failed and step 7 is redone: what was selected goes back first
+    assert torch.equal(dgc.v, v)
 
 
 def test_select_takes_the_largest_magnitudes():
@@ -123,8 +128,9 @@ class _ThreadWorld:
     """The collectives DGC calls (``all_reduce``, ``all_gather``) for ranks that are threads of this process: each
     rank puts a copy of its tensor on the table, all meet, each takes the list (or its sum, in rank order)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, fail: tuple[int, int] | None = None):
         self.size, self.table, self.meet = size, [None] * size, threading.Barrier(size, timeout=60)
+        self.fail, self.gathers = fail, [0] * size  # (rank, its n-th allgather): fails there after the others read
 
     def comm(self, rank: int) -> SimpleNamespace:
         return SimpleNamespace(
@@ -136,6 +142,9 @@ class _ThreadWorld:
         self.meet.wait()
         got = list(self.table)
         self.meet.wait()  # everyone has read the table before anyone puts the next collective's on it
+        self.gathers[rank] += 1
+        if self.fail == (rank, self.gathers[rank]):
+            raise ConnectionError("the peer's half of the exchange never came")  # (the others got this rank's)
         return got
 
     def _all_reduce(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
@@ -214,6 +223,58 @@ def test_sparsity_zero_is_momentum_sgd_on_averaged_gradients_step_after_step():
         theta = theta - lr * buf
         off = off + lr * err + 2 * EPS * (theta.abs() + lr * size)
     _assert_within(params, theta, off, f"the parameters after {steps} steps")
+
+
+def _three_ranks_with_a_heal(fail_step: int | None, steps: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Three ranks (threads) run DGC past its warm-up on fixed random gradients. At ``fail_step`` rank 0's allgather
+    fails after the others received its share: they finish the step, and rank 0 is healed from rank 1 as the
+    trainer heals a rank left a collective behind (the peer's parameters, optimizer and sync ``state_dict``), then
+    all go on. Returns each rank's parameters and residuals at the end."""
+    n = 3
+    torch.manual_seed(0)
+    base = timm.create_model("test_resnet", num_classes=10)
+    grads = torch.randn(steps, n, sum(p.numel() for p in base.parameters()), generator=torch.Generator().manual_seed(1))
+    world, stepped, front = _ThreadWorld(n, None if fail_step is None else (0, fail_step + 1)), threading.Barrier(n), {}
+    optimizer_cfg = plain_cfg("optimizer=momentum")["optimizer"]
+
+    def rank(r: int):
+        model = copy.deepcopy(base)
+        opt = build_optimizer(model, optimizer_cfg, lr=0.1)
+        dgc = DGC(sparsity=[0.99], rampup_begin_step=1, min_compress_numel=1024)
+        dgc.setup(model, opt, SyncContext(comm=world.comm(r), membership=Membership(r, n), device=torch.device("cpu")))
+        assert dgc.compressed and dgc.small  # both paths: the sparse allgather and the dense allreduce
+        for t in range(steps):
+            for p, grad in zip(model.parameters(), grads[t, r].split([p.numel() for p in model.parameters()])):
+                p.grad = grad.view(p.shape).clone()
+            try:
+                dgc.after_backward(t, True)
+                opt.step()
+                healed = False
+            except ConnectionError:
+                healed = True
+            if r == 1:
+                front["state"] = copy.deepcopy((model.state_dict(), opt.state_dict(), dgc.state_dict()))
+            stepped.wait()
+            if healed:
+                model_state, opt_state, sync_state = front["state"]
+                model.load_state_dict(model_state)
+                opt.load_state_dict(opt_state)
+                dgc.load_state_dict(sync_state)
+            stepped.wait()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), dgc.v.clone()
+
+    return world.run(rank)
+
+
+def test_a_rank_healed_in_the_sparse_exchange_goes_on_exactly_as_without_the_failure():
+    """The front applied the healed rank's share of that step, so the rank must neither send it again (it stays
+    out of the residuals) nor keep the dense momentum of the step before (it takes the front's): the run then
+    goes on bit for bit as if nothing had failed, every replica identical."""
+    reference = _three_ranks_with_a_heal(None)
+    healed = _three_ranks_with_a_heal(2)
+    assert all(torch.equal(params, reference[0][0]) for params, _ in reference + healed)  # one replica everywhere
+    for r in range(3):
+        assert torch.equal(healed[r][1], reference[r][1]), f"rank {r}'s residuals"
 
 
 def _assert_within(x: torch.Tensor, reference: torch.Tensor, bound: torch.Tensor, what: str) -> None:

@@ -631,6 +631,32 @@ def test_a_survivor_one_collective_behind_is_healed_from_the_front_and_the_run_g
     assert "take rank 1's state" in (run_dir / "train.log").read_text()
 
 
+DGC_HEAL = {
+    "relaxed-wrapped": ["sync=relaxed", "sync@sync.inner=dgc", "sync.inner._target_=tests._partial.PartialDGC"],
+    "alone": pytest.param(["sync=dgc", "sync._target_=tests._partial.PartialDGC"], marks=pytest.mark.full),
+}
+
+
+@pytest.mark.parametrize("sync", DGC_HEAL.values(), ids=DGC_HEAL.keys())
+def test_a_survivor_healed_in_dgcs_sparse_exchange_ends_bit_identical_to_the_front(tmp_path, sync):
+    """DGC keeps replicas identical, and must after a heal too: a node dies inside the sparse allgather of step 12,
+    which rank 1 finishes and rank 0 does not (tests/_partial.py). Rank 0 takes rank 1's replica with the dense
+    momentum every rank shares, and drops the share it had selected (rank 1 applied it). A rank that kept its own
+    dense momentum drifted from the others for the rest of the run."""
+    run_dir, port = tmp_path / "run", free_port()
+    overrides = [*SHRINK, *sync, "optimizer=momentum"]
+    nodes = [start_node(node, "3", port, run_dir, overrides, PARTIAL_KILL_STEP="12") for node in range(3)]
+    wait_for_train_steps(run_dir, 1)
+    node_of = {worker_of(node)[1]: node for node in nodes}
+    metrics = finish([node_of[0], node_of[1]], run_dir)
+    (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
+    assert lost["ranks"] == [2] and lost["caught_up"] == [0] and lost["step"] == 13, lost
+    (summary,) = records(metrics, "summary")
+    assert summary["finished"] and summary["steps"] == expected_steps(lost)
+    assert [r["step"] for r in records(metrics, "train")] == list(range(summary["steps"]))
+    assert summary["replica_spread"] == 0.0
+
+
 def test_survivors_abort_each_group_they_replace_after_a_loss_and_never_the_default_one():
     """What NCCL needs after a loss (a collective of the old group may still wait on the lost rank): every survivor
     aborts the group it replaced, once per change; the default group (the first change of a run that trained on
