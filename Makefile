@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-full lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-tta clean
+.PHONY: help venv train test test-full test-gpu lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-tta clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -27,6 +27,9 @@ test: $(STAMP) ## run the test suite (CPU, gloo; what CI runs, ~7 min on 2 cores
 
 test-full: $(STAMP) ## the test suite plus the slow tests marked full (~16 min on 2 cores)
 	$(PY) -m pytest -q $(ARGS)
+
+test-gpu: $(STAMP) ## on a GPU machine: the CUDA tests, and the fault tests on NCCL (one GPU per node; skips what needs more)
+	RELAXSYNC_TEST_GPU=1 $(PY) -m pytest -q -m "" tests/test_gpu.py tests/test_device.py tests/test_faults.py $(ARGS)
 
 lint: $(STAMP) ## ruff check + format check
 	$(VENV)/bin/ruff check .

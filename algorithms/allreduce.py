@@ -7,6 +7,7 @@ baseline every other algorithm is measured against. Bytes are counted by a DDP c
 DDP's default allreduce, so the numbers are those of stock DDP.
 """
 
+import inspect
 import time
 from typing import Any
 
@@ -20,6 +21,11 @@ from algorithms.base import SyncAlgorithm, SyncContext, SyncReport
 from distributed.comm import Communicator, tensor_bytes
 from distributed.membership import Change
 from errors import require
+
+# No broadcast of buffers at each forward. torch 2.13 renamed the keyword (broadcast_buffers, deprecated since, to
+# forward_sync_buffers); the older name keeps an older torch working, as cluster images often have.
+_NEW_NAME = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+NO_FORWARD_BUFFER_SYNC = {"forward_sync_buffers" if _NEW_NAME else "broadcast_buffers": False}
 
 
 class _HookState:
@@ -95,7 +101,7 @@ class AllReduce(SyncAlgorithm):
             device_ids=device_ids,
             process_group=ctx.comm.group,
             bucket_cap_mb=self.bucket_cap_mb,
-            forward_sync_buffers=False,
+            **NO_FORWARD_BUFFER_SYNC,
             gradient_as_bucket_view=True,
         )
         self.ddp.register_comm_hook(self.hook_state, self.comm_hook)

@@ -111,6 +111,24 @@ def world_size_of(cfg: dict[str, Any]) -> int:
     return cfg["trainer"]["nproc"]
 
 
+def _check_gpus(t: dict[str, Any]) -> None:
+    """``trainer.device=cuda`` needs a GPU; and the local launcher's ``trainer.nproc`` processes, on CUDA (``cuda``, or
+    ``auto`` where there is a GPU), one GPU each: NCCL refuses two ranks on one GPU (a duplicate GPU)."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if t["device"] == "cuda":
+        _check(gpus > 0, "trainer.device", t["device"], "auto or cpu: no CUDA device here")
+    launched_here = not ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
+    if gpus and launched_here:
+        _check(
+            t["nproc"] <= gpus,
+            "trainer.nproc",
+            t["nproc"],
+            f"at most {gpus} on CUDA, one process per GPU (NCCL): this machine has {gpus}; or trainer.device=cpu",
+        )
+
+
 def validate(cfg: dict[str, Any]) -> None:
     """Raise :class:`ConfigError` on the first bad value of a resolved config (a plain dict)."""
     t = cfg["trainer"]
@@ -121,10 +139,8 @@ def validate(cfg: dict[str, Any]) -> None:
         _check(v is None or (_is_int(v) and v >= 1), f"trainer.{key}", v, "null or an integer >= 1")
     _check(_is_int(t["threads"]) and t["threads"] >= 1, "trainer.threads", t["threads"], "an integer >= 1")
     _check(t["device"] in DEVICES, "trainer.device", t["device"], f"one of {', '.join(DEVICES)}")
-    if t["device"] == "cuda":
-        import torch
-
-        _check(torch.cuda.is_available(), "trainer.device", t["device"], "auto or cpu: no CUDA device here")
+    if t["device"] in ("auto", "cuda"):
+        _check_gpus(t)
     for key in ("eval_every", "log_every"):
         _check(_is_int(t[key]) and t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1")
     es = t["eval_every_steps"]

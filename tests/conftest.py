@@ -8,8 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from hydra import compose, initialize_config_dir
+
+# `make test-gpu` (RELAXSYNC_TEST_GPU=1) runs tests on this machine's GPUs. Every other run keeps them out of sight,
+# so that trainer.device=auto means the CPU and gloo on any machine: the suite is written for 2-4 CPU ranks.
+ON_GPU = os.environ.get("RELAXSYNC_TEST_GPU") == "1"
+if not ON_GPU:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import torch  # noqa: E402  (after CUDA_VISIBLE_DEVICES: CUDA reads it once)
+from hydra import compose, initialize_config_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
@@ -31,11 +38,19 @@ def plain_cfg(*overrides: str) -> dict:
     return prepare(compose_cfg(*overrides))
 
 
+def need_gpus(n: int) -> None:
+    """Under ``make test-gpu``: skip a test of ``n`` processes where there are fewer GPUs (NCCL: one per rank)."""
+    if ON_GPU and torch.cuda.device_count() < n:
+        pytest.skip(f"{n} NCCL ranks need {n} GPUs; this machine has {torch.cuda.device_count()}")
+
+
 def train(run_dir: Path, *overrides: str, entrypoint=None) -> tuple[dict | None, list[dict]]:
-    """Launch a real job (elastic launcher, gloo) in-process; return (summary, metrics records)."""
+    """Launch a real job (elastic launcher; gloo, or NCCL under ``make test-gpu``) in-process; return (summary,
+    metrics records)."""
     from engine.launch import launch
     from engine.metrics import read_metrics
 
+    need_gpus(compose_cfg(*overrides).trainer.nproc)
     cfg = plain_cfg(*overrides)
     kwargs = {"entrypoint": entrypoint} if entrypoint else {}
     summary = launch(cfg, str(run_dir), **kwargs)

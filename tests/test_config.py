@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import CONF_DIR, compose_cfg, plain_cfg, run_cli
 
 from engine.config import prepare
@@ -175,3 +176,18 @@ def test_unknown_key_stops_before_any_worker(tmp_path):
         result.stderr.strip() == "error: trainer.epoch=3: expected a key of the config (did you mean trainer.epochs?)"
     )
     assert "relaxsync:" not in result.stdout and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_more_local_processes_than_gpus_is_refused_before_any_worker(monkeypatch):
+    """NCCL gives each rank a GPU of its own (two ranks on one GPU fail with a duplicate GPU), so on a machine with
+    GPUs the local launcher's ``trainer.nproc`` is at most their number; CPU, or torchrun's world, is not limited."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for device in ("auto", "cuda"):
+        with pytest.raises(ConfigError) as error:
+            plain_cfg("model=test_resnet", "trainer.nproc=2", f"trainer.device={device}")
+        assert "trainer.nproc=2" in str(error.value) and "at most 1 on CUDA" in str(error.value)
+    assert plain_cfg("model=test_resnet", "trainer.nproc=1", "trainer.device=cuda")["trainer"]["nproc"] == 1
+    assert plain_cfg("model=test_resnet", "trainer.nproc=2", "trainer.device=cpu")["trainer"]["nproc"] == 2
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")  # (under torchrun trainer.nproc is not the world: its --nproc-per-node is)
+    assert plain_cfg("model=test_resnet", "trainer.nproc=2", "trainer.device=auto")["trainer"]["nproc"] == 2

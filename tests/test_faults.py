@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, ROOT, load_model_state, records, train
+from conftest import FAST, ON_GPU, ROOT, load_model_state, need_gpus, records, train
 
 from bench.netns import unavailable as _netns_unavailable
 from engine.checkpoint import load
@@ -137,6 +137,9 @@ def start_node(
 ) -> subprocess.Popen:
     """Node ``node``'s torchrun agent (the first hosts the rendezvous at ``port``)."""
     environ = dict(env(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **environ)
+    if ON_GPU:  # (make test-gpu: each node a GPU of its own, as on a cluster)
+        need_gpus(int(nnodes))
+        environ["CUDA_VISIBLE_DEVICES"] = str(node)
     launcher = [
         TORCHRUN, "--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "0", "--monitor-interval", "0.5",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_dir.name,

@@ -1,0 +1,127 @@
+"""The CUDA paths, on a machine with a GPU (``make test-gpu``; skipped elsewhere, CI included): every sync option
+trains a few steps on CUDA with fp16 autocast and the GradScaler (NCCL as the backend), and DGC's own state
+survives a resume on CUDA. Options that need two processes run only where there are two GPUs: NCCL gives each
+rank a GPU of its own, so one GPU cannot host two ranks. Without a GPU the same code is covered on CPU by the
+rest of the suite, and its device placement by tests/test_device.py."""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+
+import pytest
+import timm
+import torch
+from conftest import plain_cfg, records, train
+from test_dgc import _ThreadWorld
+
+from algorithms.base import SyncContext
+from algorithms.dgc import DGC
+from distributed.membership import Membership
+from engine.optim import build_optimizer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU in sight: make test-gpu runs these")
+
+CUDA = [
+    "model=test_resnet", "data=digits", "logger=none", "trainer.progress=false", "trainer.device=cuda", "amp=torch",
+    "trainer.max_steps=6", "trainer.checkpoint_every=0",
+]  # fmt: skip
+# sync option -> (processes it needs, overrides that make it do its exchange within 6 steps)
+OPTIONS = {
+    "allreduce": (1, []),
+    "none": (1, []),
+    "localsgd": (1, ["sync.k_steps=2"]),
+    "adaptive_localsgd": (1, ["sync.init_k_steps=2"]),
+    "diloco": (1, ["sync.inner_steps=2"]),
+    "streaming diloco": (1, ["sync=diloco", "sync.inner_steps=4", "sync.fragments=2", "sync.delay=1",
+                             "sync.quantize=int8"]),
+    "powersgd": (1, ["sync.start_powerSGD_iter=2", "sync.min_compression_rate=1"]),
+    "relaxed": (1, ["sync.check_every=2"]),
+    "relaxed localsgd": (1, ["sync=relaxed", "sync@sync.inner=localsgd", "sync.inner.k_steps=2"]),
+    "dgc": (2, ["sync.min_compress_numel=1024"]),
+    "sgp": (2, []),
+    "sgp overlap": (2, ["sync=sgp", "sync.overlap=true"]),
+    "crossover": (2, []),
+    "allreduce, on_failure=continue": (1, ["sync=allreduce", "trainer.on_failure=continue"]),
+    "streaming diloco, on_failure=continue": (1, ["sync=diloco", "sync.inner_steps=4", "sync.fragments=2",
+                                                  "sync.delay=1", "trainer.on_failure=continue"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_each_sync_option_trains_on_cuda_with_fp16_and_the_grad_scaler(tmp_path, option):
+    nproc, extra = OPTIONS[option]
+    sync = [] if any(o.startswith("sync=") for o in extra) else [f"sync={option}"]
+    summary, metrics = train(tmp_path, *CUDA, *sync, *extra, f"trainer.nproc={nproc}")
+    assert summary["finished"] and summary["steps"] == 6, summary
+    train_records = records(metrics, "train")
+    assert all(math.isfinite(r["loss"]) for r in train_records)
+    assert train_records[0]["loss_scale"] == 65536.0  # the GradScaler's first scale: fp16 with scaling
+    assert f"{nproc} x cuda" in (tmp_path / "train.log").read_text()
+
+
+@pytest.mark.parametrize("option", ["streaming diloco", "powersgd", "localsgd"])
+def test_a_run_stopped_on_cuda_resumes_from_its_checkpoint(tmp_path, option):
+    """The checkpoint of a CUDA run (the algorithm's shared and own state included) is loaded back onto the GPU and
+    the run finishes: the steps after the checkpoint once each."""
+    _, extra = OPTIONS[option]
+    sync = [] if any(o.startswith("sync=") for o in extra) else [f"sync={option}"]
+    common = [o for o in CUDA if not o.startswith("trainer.max_steps=")]
+    common += [*sync, *extra, "trainer.nproc=1", "trainer.checkpoint_every_steps=2"]
+    train(tmp_path, *common, "trainer.max_steps=4")
+    summary, metrics = train(tmp_path, *common, "trainer.max_steps=6", "trainer.resume=auto")
+    assert summary["finished"] and summary["steps"] == 6
+    assert [r["step"] for r in records(metrics, "train")] == list(range(6))
+    (resume,) = [e for e in records(metrics, "event") if e["event"] == "resume"]
+    assert resume["path"].endswith("last.pt")
+
+
+def test_dgc_resumes_on_cuda_exactly_where_it_stopped(tmp_path):
+    """Two ranks (threads of this process, one GPU) run DGC past its warm-up; one pair of DGCs saves its own state
+    after step 2 as the trainer does, fresh ones load it onto the GPU (``map_location``, as a resume does) and both
+    go on. The two runs end bit for bit alike: with two ranks every entry of the sparse update is a sum of at most
+    two values, so the GPU's unordered scatter-add cannot round differently."""
+    n, steps, device = 2, 5, torch.device("cuda", 0)
+    torch.manual_seed(0)
+    base = timm.create_model("test_resnet", num_classes=10).to(device)
+    numel = sum(p.numel() for p in base.parameters())
+    grads = torch.randn(steps, n, numel, generator=torch.Generator().manual_seed(1)).to(device)
+    optimizer_cfg = plain_cfg("optimizer=momentum", "trainer.nproc=1", "logger=none")["optimizer"]
+
+    def run(resume_at: int | None):
+        world, saved = _ThreadWorld(n), threading.Barrier(n)
+
+        def rank(r: int):
+            def fresh():
+                model = copy.deepcopy(base)
+                opt = build_optimizer(model, optimizer_cfg, lr=0.1)
+                dgc = DGC(sparsity=[0.99], min_compress_numel=1024)
+                dgc.setup(model, opt, SyncContext(comm=world.comm(r), membership=Membership(r, n), device=device))
+                return model, opt, dgc
+
+            model, opt, dgc = fresh()
+            for t in range(steps):
+                if t == resume_at:
+                    path = tmp_path / f"rank{r}.pt"
+                    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sync": dgc.state_dict(),
+                                "own": dgc.local_state_dict()}, path)  # fmt: skip
+                    saved.wait()
+                    model, opt, dgc = fresh()
+                    state = torch.load(path, map_location=device, weights_only=True)
+                    model.load_state_dict(state["model"])
+                    opt.load_state_dict(state["opt"])
+                    dgc.load_state_dict(state["sync"])
+                    dgc.load_local_state_dict(state["own"])
+                    assert dgc.v.device == device and torch.equal(dgc.v, state["own"]["v"])
+                for p, g in zip(model.parameters(), grads[t, r].split([p.numel() for p in model.parameters()])):
+                    p.grad = g.view(p.shape).clone()
+                dgc.after_backward(t, True)
+                opt.step()
+            return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), dgc.v.clone()
+
+        return world.run(rank)
+
+    uninterrupted, resumed = run(None), run(3)
+    for r in range(n):
+        assert torch.equal(resumed[r][0], uninterrupted[r][0]) and torch.equal(resumed[r][1], uninterrupted[r][1])
