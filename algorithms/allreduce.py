@@ -14,11 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from algorithms.base import SyncAlgorithm, SyncContext, SyncReport
-from distributed.comm import Communicator, tensor_bytes
+from distributed.comm import Communicator, tensor_bytes, wait_all
 from distributed.membership import Change
 from errors import require
 
@@ -34,6 +33,7 @@ class _HookState:
     def __init__(self, comm: Communicator):
         self.comm = comm
         self.last_ready: float | None = None  # perf_counter() when the last bucket of this backward was handed over
+        self.works: list[dist.Work] = []  # this backward's allreduces, until after_backward has seen them finish
 
     def __getstate__(self):  # DDP may pickle hook state; the communicator is process-local
         return {}
@@ -41,11 +41,16 @@ class _HookState:
 
 def counted_allreduce_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     # No `from __future__ import annotations` in this file: DDP checks this signature at registration.
-    """DDP's default allreduce (average), counted by the Communicator."""
+    """DDP's default allreduce (average: divided, then summed), counted by the Communicator; its work is kept for
+    :meth:`AllReduce.after_backward`."""
     start = time.perf_counter()
     state.last_ready = start
-    nbytes = tensor_bytes(bucket.buffer())
-    return counted(default_hooks.allreduce_hook(state.comm.group, bucket), state.comm, nbytes, start)
+    buffer, group = bucket.buffer(), state.comm.group
+    buffer.div_(group.size())
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+    state.works.append(work)
+    future = work.get_future().then(lambda f: f.value()[0])
+    return counted(future, state.comm, tensor_bytes(buffer), start)
 
 
 def counted(
@@ -87,6 +92,7 @@ class AllReduce(SyncAlgorithm):
         # parameters are identical, so the constructor's broadcast changes nothing).
         for p in self.model.parameters():
             p.grad = None  # the old reducer's bucket views
+        self.hook_state.works = []  # (issued on the replaced group: dropped with it)
         del self.ddp
         self.module = self._wrap(self.model)
         return super().on_membership_change(change)
@@ -108,5 +114,9 @@ class AllReduce(SyncAlgorithm):
         return self.ddp
 
     def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
+        # DDP waits for its allreduces on the stream only: on NCCL a lost peer would not raise here but leave the
+        # optimizer step waiting. Under a deadline each one finishes, fails or passes it here, before the step.
+        works, self.hook_state.works = self.hook_state.works, []
+        wait_all(works, self.ctx.membership.timeout)
         # The gradients were averaged before unscaling, so every rank's verdict is the same.
         return SyncReport(grads_finite=grads_finite, compute_end=self.hook_state.last_ready)

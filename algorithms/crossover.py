@@ -26,7 +26,6 @@ from collections import deque
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from algorithms.base import SyncContext, SyncReport
@@ -148,7 +147,7 @@ class Crossover(Gossip):
         if g > 1:
             # Only the members create their group: ranks evicted by relaxed sync (sync.inner=crossover) are
             # never waited for.
-            self.subgroup = dist.new_group(self.my_group, use_local_synchronization=True)
+            self.subgroup = m.subgroup(self.my_group)
         n = len(self.leaders)
         self.topology = LoadBalancedRandom(n, self.seed) if self.load_balanced else ExponentialGraph(n)
 

@@ -17,6 +17,7 @@ type (:class:`CommCounts`), apart from what a hook reports (``algorithms.base.Sy
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
 from collections.abc import Iterator
@@ -71,14 +72,25 @@ class Pending:
         return self.dropped or all(work.is_completed() for work in self.works)
 
     def wait(self) -> Any:
-        """The result, or None for a dropped collective."""
+        """The result, or None for a dropped collective. Under a deadline (the membership's ``timeout``,
+        ``trainer.hang_timeout_s`` under ``trainer.on_failure: continue``) a collective that fails or passes it
+        raises here, on every backend: NCCL's plain ``wait()`` only makes the current stream wait, so a lost peer
+        would surface later, in whatever next reads a result, where nothing interrupts the wait."""
         if self.dropped:
             return None
         start = time.perf_counter()
-        for work in self.works:
-            work.wait()
+        wait_all(self.works, self.comm.membership.timeout)
         self.comm.record(0.0, 0.0, time.perf_counter() - start)
         return self.result
+
+
+def wait_all(works: list[Any], deadline: datetime.timedelta | None) -> None:
+    """Wait for each of ``works`` (``dist.Work``), within ``deadline`` if there is one."""
+    for work in works:
+        if deadline is None:
+            work.wait()
+        else:
+            work.wait(deadline)
 
 
 class Communicator:
@@ -192,7 +204,8 @@ class Communicator:
     def broadcast(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """Broadcast from global rank ``src`` to the active group (or ``group``, a subgroup), in place."""
         with self._timed() as t:
-            dist.broadcast(tensor, src=src, group=group or self.group)
+            work = dist.broadcast(tensor, src=src, group=group or self.group, async_op=True)
+            wait_all([work], self.membership.timeout)
         nbytes = tensor_bytes(tensor)
         size = dist.get_world_size(group) if group is not None else self.size
         self.record(nbytes / size, nbytes / size, t[0])
@@ -225,7 +238,7 @@ class Communicator:
         self.exchange_async(sends, recvs, mean_fraction).wait()
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        wait_all([dist.barrier(group=self.group, async_op=True)], self.membership.timeout)
 
     def probe_links(self, nbytes: int) -> float:
         """Collective over the active group: time an exchange of ``nbytes`` each way with every other active

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 _instances = itertools.count()  # Memberships made in this process: every rank makes them in the same order
@@ -58,6 +59,18 @@ class Change:
     removed: list[int]
     ranks: list[int]  # the active ranks after it
     cause: str  # e.g. "slow"
+
+
+def form_group(ranks: list[int], timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+    """A process group of ``ranks``, formed by them alone (``use_local_synchronization``), with one collective run on
+    it at once. NCCL creates a communicator lazily, at its first collective, and every member must be in that one:
+    a group whose first operation some members skip (crossover's leaders-only exchange) would wait forever. Gloo
+    connects every pair at ``new_group``, so the CPU never shows it."""
+    group = dist.new_group(ranks, use_local_synchronization=True, timeout=timeout)
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    return group
 
 
 def host_names() -> list[str]:
@@ -90,6 +103,7 @@ class Membership:
         self._prefix = f"relaxsync/restart{restart}/membership{next(_instances)}"
         self._agreements = 0
         self._store: Any = None
+        self._subgroups: list[dist.ProcessGroup] = []  # groups of some active ranks, replaced with the active group
 
     @property
     def size(self) -> int:
@@ -142,26 +156,37 @@ class Membership:
         self, agreed: dict[str, Any], reasons: dict[int, str] | None = None, abort_replaced: bool = False
     ) -> Change | None:
         """Carry out an agreed removal (``{"ranks": [...], "cause": ...}``, the same on every rank): the survivors
-        form their new group; a removed rank raises :class:`LeftRun`. With ``abort_replaced`` (a rank was lost)
-        each survivor then aborts the group it replaced, never the default one: on NCCL a collective of the old
-        group may still be waiting on the lost rank, and what the survivors queue next would wait behind it."""
+        form their new group (:func:`form_group`); a removed rank raises :class:`LeftRun`. With ``abort_replaced``
+        (a rank was lost) each survivor first aborts the groups it replaces, the active one and its
+        :meth:`subgroup` s, never the default one: on NCCL a collective of an old group may still be waiting on the
+        lost rank, and what the survivors queue next, the new group's first collective included, would wait
+        behind it."""
         removed = [r for r in agreed["ranks"] if r in self.ranks]
         if not removed:
             return None
         survivors = [r for r in self.ranks if r not in removed]
         self.generation += 1
+        replaced, self._subgroups = [self.group, *self._subgroups], []
         if self.rank in removed:
             self.ranks, self.group = survivors, None
             reason = (reasons or {}).get(self.rank, f"removed ({agreed['cause']})")
             print(f"relaxsync: rank {self.rank} {reason}; exiting", flush=True)
             raise LeftRun(self.rank, reason)
-        replaced = self.group
-        self.group = dist.new_group(survivors, use_local_synchronization=True, timeout=self.timeout)
+        if abort_replaced:
+            for group in replaced:
+                if group is not dist.group.WORLD:  # (aborting it would leave no way to form a group again)
+                    dist.distributed_c10d._abort_process_group(group)
+        self.group = form_group(survivors, self.timeout)
         self.ranks = survivors
-        if abort_replaced and replaced is not dist.group.WORLD:
-            dist.distributed_c10d._abort_process_group(replaced)
         self.changes.append(Change(self.generation, removed, survivors, agreed["cause"]))
         return self.changes[-1]
+
+    def subgroup(self, ranks: list[int]) -> dist.ProcessGroup:
+        """A group of some of the active ranks (only they call it), for an algorithm's own use until the next
+        change, which replaces it with the active group (and aborts it after a loss)."""
+        group = form_group(ranks, self.timeout)
+        self._subgroups.append(group)
+        return group
 
     def every(self, period_s: float, tick: Callable[[Any], bool], name: str) -> StoreLoop:
         """A background thread (not started) calling ``tick(store)`` every ``period_s`` on a store connection of

@@ -27,11 +27,10 @@ from enum import Enum
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from algorithms.base import SyncReport
 from distributed.comm import tensor_bytes
-from distributed.membership import Membership, host_names
+from distributed.membership import Membership, form_group, host_names
 from engine.failures import Failures, Phase, Position, may_be_a_loss
 
 HISTORY = 4096  # records kept for a peer that falls behind by a collective and must write them
@@ -188,7 +187,9 @@ class SurvivingGuard:
         """What a survivor that failed at ``behind`` needs to go on from here, the ``front``: the trainer's state,
         the records written since ``behind`` (it may be the logging rank) and where to enter."""
         records = [r for at, r in self.history if behind.key <= at.key < front.key]
-        return {"state": self.host.state_dict(), "records": records, "entry": self._at}
+        # On the CPU: a pickled CUDA tensor would come back on the sender's device index, and the receiver's
+        # load_state_dict copies each tensor onto its own device anyway.
+        return {"state": _on_cpu(self.host.state_dict()), "records": records, "entry": self._at}
 
     def _observe(self, record: dict[str, Any]) -> None:
         """Every record the recorder writes (on every rank), kept with where the loop was; a step's losses are
@@ -214,12 +215,23 @@ def training_membership(on_failure: str, hang_timeout_s: float, rank: int, world
     if on_failure != "continue":
         return Membership(rank, world_size, hosts=hosts)
     deadline = datetime.timedelta(seconds=hang_timeout_s)
-    group = dist.new_group(list(range(world_size)), timeout=deadline)
+    group = form_group(list(range(world_size)), deadline)
     return Membership(rank, world_size, group, hosts, timeout=deadline)
 
 
 def build_guard(on_failure: str, membership: Membership, hang_timeout_s: float, host: Host) -> NoGuard | SurvivingGuard:
     return SurvivingGuard(membership, hang_timeout_s, host) if on_failure == "continue" else NoGuard()
+
+
+def _on_cpu(state: Any) -> Any:
+    """``state`` with every tensor in it copied to the CPU (the same objects where they are there already)."""
+    if isinstance(state, torch.Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {key: _on_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_on_cpu(value) for value in state)
+    return state
 
 
 def _tensors(state: Any):

@@ -312,8 +312,9 @@ class Trainer:
         return self.guard.run(Phase.END, spread, self.run.last_epoch, Site.END)
 
     def close(self, left: bool = False) -> None:
-        """Close files; a rank that ``left`` the run never touches a process group again."""
+        """Close files; a rank that ``left`` the run never touches a process group again. After a loss the groups
+        are aborted: destroying one waits for what it queued, on NCCL maybe for the lost rank, forever."""
         self.guard.stop()
         self.recorder.close(left)
         if not left and dist.is_initialized():
-            dist.destroy_process_group()
+            (dist.distributed_c10d._abort_process_group if self.guard.lost_ranks else dist.destroy_process_group)()

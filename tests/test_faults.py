@@ -661,28 +661,37 @@ def test_a_survivor_healed_in_dgcs_sparse_exchange_ends_bit_identical_to_the_fro
 
 
 def test_survivors_abort_each_group_they_replace_after_a_loss_and_never_the_default_one():
-    """What NCCL needs after a loss (a collective of the old group may still wait on the lost rank): every survivor
-    aborts the group it replaced, once per change; the default group (the first change of a run that trained on
-    it) is never aborted, or no group could be formed again. Checked on torch's ``fake`` backend, in a process of
-    its own, with a spy on ``_abort_process_group``."""
+    """What NCCL needs after a loss (a collective of an old group may still wait on the lost rank): every survivor
+    aborts the groups it replaces, the active one and the subgroups formed from it (crossover's), once per change
+    and before anything runs on the new group; the default group (the first change of a run that trained on it)
+    is never aborted, or no group could be formed again. Every group is formed with one collective on it at once
+    (NCCL's communicators are made at their first collective, by all members). Checked on torch's ``fake``
+    backend, in a process of its own, with spies on ``_abort_process_group`` and ``all_reduce``."""
     script = """
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from distributed.membership import Membership
+from distributed.membership import Membership, form_group
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-aborted, real = [], dist.distributed_c10d._abort_process_group
-dist.distributed_c10d._abort_process_group = lambda group=None: (aborted.append(group), real(group))
-m = Membership(0, 4, dist.new_group([0, 1, 2, 3]))
-groups = [m.group]
+log, abort, all_reduce = [], dist.distributed_c10d._abort_process_group, dist.all_reduce
+dist.distributed_c10d._abort_process_group = lambda group=None: (log.append(("abort", group)), abort(group))
+dist.all_reduce = lambda tensor, group=None, **kw: (log.append(("first", group)), all_reduce(tensor, group=group, **kw))
+m = Membership(0, 4, form_group([0, 1, 2, 3]))
+assert log == [("first", m.group)], log
+sub = m.subgroup([0, 1])
+assert log[-1] == ("first", sub), log
+groups, log[:] = [m.group], []
 for lost, cause in ((3, "died"), (2, "hung")):
     m.adopt({"ranks": [lost], "cause": cause}, abort_replaced=True)
     groups.append(m.group)
-assert aborted == groups[:2] and m.ranks == [0, 1], (aborted, groups)
+expected = [("abort", groups[0]), ("abort", sub), ("first", groups[1]), ("abort", groups[1]), ("first", groups[2])]
+assert log == expected and m.ranks == [0, 1], (log, groups)
+log[:] = []
 on_world = Membership(0, 3)
+on_world.subgroup([0, 1])
 on_world.adopt({"ranks": [2], "cause": "died"}, abort_replaced=True)
 evicted = Membership(0, 3, dist.new_group([0, 1, 2]))
 evicted.adopt({"ranks": [2], "cause": "slow"})
-assert len(aborted) == 2, aborted
+assert [kind for kind, _ in log] == ["first", "abort", "first", "first"], log  # WORLD and an eviction's: none
 print("ok")
 """
     result = subprocess.run(
