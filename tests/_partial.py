@@ -3,7 +3,8 @@ the case of a kill inside the last collective of a step, made deterministic (imp
 ``sync._target_=tests._partial.PartialExchange``). Where and when, from the environment:
 ``PARTIAL_KILL_STEP`` (default 12) and ``PARTIAL_IN``: ``exchange`` (the parameters, after the optimizer step, as
 local SGD does) or ``backward`` (the gradients, before it, as DDP does). :class:`PartialDGC` is DGC with its sparse
-allgather of that step left so (``sync.inner._target_=tests._partial.PartialDGC`` under relaxed sync)."""
+allgather of that step left so (``sync.inner._target_=tests._partial.PartialDGC`` under relaxed sync);
+:class:`PartialSGP` is overlapped SGP whose victim dies before it posts that step's round."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from algorithms.base import StepResult, SyncContext, SyncReport
 from algorithms.dgc import DGC
 from algorithms.none import NoSync
+from algorithms.sgp import SGP
 
 VICTIM, AHEAD = 2, 1
 
@@ -100,3 +102,15 @@ class _Gather:
         if dgc._step != dgc.kill_step or dgc.ctx.membership.size != dgc._world:
             return self._comm.all_gather(tensor)
         return gather_leaving_one_behind(dataclasses.replace(dgc.ctx, comm=self._comm), tensor, kill=True)
+
+
+class PartialSGP(SGP):
+    """Overlapped SGP (``sync.overlap=true``) whose rank :data:`VICTIM` kills its node after the optimizer step of
+    ``PARTIAL_KILL_STEP``, before posting that step's round: the others' round of that step, posted on the group
+    that held it, is still in flight when they next wait for it (at the end of the epoch, its evaluation drains)."""
+
+    def after_optimizer_step(self, result: StepResult) -> SyncReport:
+        if self.ctx.membership.rank == VICTIM and result.step == int(os.environ.get("PARTIAL_KILL_STEP", "12")):
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().after_optimizer_step(result)

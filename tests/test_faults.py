@@ -660,6 +660,25 @@ def test_a_survivor_healed_in_dgcs_sparse_exchange_ends_bit_identical_to_the_fro
     assert summary["replica_spread"] == 0.0
 
 
+def test_a_gossip_round_in_flight_on_the_lost_ranks_group_is_dropped_when_the_epoch_end_drains_it(tmp_path):
+    """Overlapped SGP: a node dies after the last step of epoch 1, before posting its round of that step
+    (tests/_partial.py). The others' round of that step, posted on the group that held it, is waited for when the
+    epoch's evaluation drains the rounds in flight: that wait fails, they regroup and redo the evaluation, and the
+    round is dropped (its shares come back) instead of waited for on the old group until the deadline."""
+    run_dir, port = tmp_path / "run", free_port()
+    overrides = [*SHRINK, "sync=sgp", "sync.overlap=true", "sync._target_=tests._partial.PartialSGP"]
+    nodes = [start_node(node, "3", port, run_dir, overrides, PARTIAL_KILL_STEP="15") for node in range(3)]
+    wait_for_train_steps(run_dir, 1)
+    node_of = {worker_of(node)[1]: node for node in nodes}
+    metrics = finish([node_of[0], node_of[1]], run_dir)
+    (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
+    assert lost["ranks"] == [2] and lost["redo"] == "evaluation" and lost["caught_up"] == [], lost
+    (summary,) = records(metrics, "summary")
+    assert summary["finished"] and summary["steps"] == expected_steps(lost)
+    assert [r["step"] for r in records(metrics, "train")] == list(range(summary["steps"]))
+    assert [e["epoch"] for e in records(metrics, "eval")] == [1, 2, 3]  # epoch 1's written once, after the redo
+
+
 def test_survivors_abort_each_group_they_replace_after_a_loss_and_never_the_default_one():
     """What NCCL needs after a loss (a collective of an old group may still wait on the lost rank): every survivor
     aborts the groups it replaces, the active one and the subgroups formed from it (crossover's), once per change
