@@ -376,7 +376,8 @@ class DGC(SyncAlgorithm):
         self.u.copy_(state["u"])
         self.v.copy_(state["v"])
         self._load_dense_momentum(state)  # (checkpoints written before it moved to state_dict hold it here)
-        self.generator.set_state(state["generator"])
+        # A CPU ByteTensor, for a CUDA generator too; a resume reads this rank's state onto the device.
+        self.generator.set_state(state["generator"].cpu())
 
     def _load_dense_momentum(self, state: dict[str, Any]) -> None:
         for i, t in enumerate(state.get("u_dense", ())):
