@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-full test-gpu lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-tta clean
+.PHONY: help venv train test test-full test-gpu chaos lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-tta clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -30,6 +30,13 @@ test-full: $(STAMP) ## the test suite plus the slow tests marked full (~16 min o
 
 test-gpu: $(STAMP) ## on a GPU machine: the CUDA tests, and the fault tests on NCCL (one GPU per node; skips what needs more)
 	RELAXSYNC_TEST_GPU=1 $(PY) -m pytest -q -m "" tests/test_gpu.py tests/test_device.py tests/test_faults.py $(ARGS)
+
+SEED ?= 0
+N ?=
+ONLY ?=
+JOBS ?= 1
+chaos: $(STAMP) ## (~2 h) every sync option x phase x kill/hang on 3-4 torchrun nodes; SEED=, N= cells, ONLY=cell, JOBS=
+	$(PY) -m tests._chaos --seed $(SEED) $(if $(N),--n $(N)) $(if $(ONLY),--only $(ONLY)) --jobs $(JOBS)
 
 lint: $(STAMP) ## ruff check + format check
 	$(VENV)/bin/ruff check .

@@ -93,7 +93,8 @@ class AllReduce(SyncAlgorithm):
         for p in self.model.parameters():
             p.grad = None  # the old reducer's bucket views
         self.hook_state.works = []  # (issued on the replaced group: dropped with it)
-        del self.ddp
+        # (None, not del: a rewrap cut short by another loss leaves no DDP, and the next change wraps again)
+        self.ddp = None
         self.module = self._wrap(self.model)
         return super().on_membership_change(change)
 

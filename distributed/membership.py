@@ -166,19 +166,20 @@ class Membership:
             return None
         survivors = [r for r in self.ranks if r not in removed]
         self.generation += 1
-        replaced, self._subgroups = [self.group, *self._subgroups], []
+        replaced = [g for g in (self.group, *self._subgroups) if g is not None]
+        self.ranks, self.group, self._subgroups = survivors, None, []
         if self.rank in removed:
-            self.ranks, self.group = survivors, None
             reason = (reasons or {}).get(self.rank, f"removed ({agreed['cause']})")
             print(f"relaxsync: rank {self.rank} {reason}; exiting", flush=True)
             raise LeftRun(self.rank, reason)
+        # The change holds from here on, whether or not the group forms: if a survivor is lost while it forms, the
+        # next agreement starts from these ranks on every survivor, and the change is followed with the next one.
+        self.changes.append(Change(self.generation, removed, survivors, agreed["cause"]))
         if abort_replaced:
             for group in replaced:
                 if group is not dist.group.WORLD:  # (aborting it would leave no way to form a group again)
                     dist.distributed_c10d._abort_process_group(group)
         self.group = form_group(survivors, self.timeout)
-        self.ranks = survivors
-        self.changes.append(Change(self.generation, removed, survivors, agreed["cause"]))
         return self.changes[-1]
 
     def subgroup(self, ranks: list[int]) -> dist.ProcessGroup:

@@ -117,6 +117,10 @@ class Recovery:
         return min(r for r, w in self.where.items() if Position.read(w) == front)
 
 
+class StoreUnreachable(RuntimeError):
+    """The c10d store cannot be reached to agree through: its host is gone, and no survivor can go on."""
+
+
 def is_collective_failure(error: BaseException) -> bool:
     """Whether ``error``'s text says a peer went away (a closed connection, a timed-out collective)."""
     return isinstance(error, RuntimeError) and (TIMED_OUT.search(str(error)) or DIED.search(str(error))) is not None
@@ -127,8 +131,9 @@ def may_be_a_loss(error: BaseException) -> bool:
     ``RuntimeError`` or its ``DistError`` subclasses), whatever its text, because the texts differ by backend,
     version and moment. The store decides (:meth:`Failures.recover`): when every peer is still beating, ``error``
     is raised again, as it was. Python's own errors (a ``KeyError``, a ``ValueError``), ``NotImplementedError``
-    and ``LeftRun`` never are."""
-    return isinstance(error, RuntimeError) and not isinstance(error, (NotImplementedError, RecursionError))
+    ``LeftRun`` and :class:`StoreUnreachable` never are."""
+    ours = (NotImplementedError, RecursionError, StoreUnreachable)
+    return isinstance(error, RuntimeError) and not isinstance(error, ours)
 
 
 class Heartbeat:
@@ -192,12 +197,15 @@ class Failures:
 
     def recover(self, error: BaseException, at: Position) -> Recovery:
         """Collective over the ranks still alive, after ``error`` (a part that failed, :func:`may_be_a_loss`) at
-        ``at``. Returns what was agreed; raises ``LeftRun`` on a rank that was removed, and ``error`` again, as it
-        was, when no peer is gone."""
+        ``at``. Returns what was agreed; raises ``LeftRun`` on a rank that was removed, ``error`` again, as it was,
+        when no peer is gone, and the error of the store or of the new group when another survivor is lost while
+        they agree (the caller agrees again, over who is left)."""
         try:
             recovery = self._recover(error, at)
-        except dist.DistError as store_error:  # DistNetworkError, DistStoreError: the store is unreachable
-            raise RuntimeError(
+        except dist.DistError as store_error:
+            if self._store_answers():  # a survivor went away during the agreement (a key it never wrote, the new
+                raise  # group's first collective): another loss, which the caller agrees on in turn
+            raise StoreUnreachable(
                 f"rank {self.membership.rank} lost a peer at step {at.step} and cannot reach the c10d store to agree "
                 f"with the others ({store_error}); the store lives with torchrun's agent on the first node, which is "
                 f"probably gone too. Continue from the last checkpoint with trainer.resume=auto"
@@ -205,6 +213,13 @@ class Failures:
         if recovery is None:  # (raised out here: an NCCL error is a DistError too, and is not the store's)
             raise error
         return recovery
+
+    def _store_answers(self) -> bool:
+        try:
+            self.membership.store.check([self._key(self.membership.generation, "decision")])
+            return True
+        except Exception:  # DistNetworkError: its host is gone
+            return False
 
     def _recover(self, error: BaseException, at: Position) -> Recovery | None:
         m, generation = self.membership, self.membership.generation

@@ -109,6 +109,7 @@ class SurvivingGuard:
         self._entering: Entry | None = None  # on a rank healed from the front, until it reaches the front's part
         self._lost: list[dict[str, Any]] = []  # rank_lost events waiting for what was in flight to be done again
         self._replaying = False
+        self._reported = 0  # membership changes named by a rank_lost event so far
         host.recorder.observers.append(self._observe)
 
     def start(self) -> None:
@@ -134,9 +135,7 @@ class SurvivingGuard:
                 result = part()
                 break
             except Exception as error:
-                if not may_be_a_loss(error):
-                    raise
-                self._recover(error, epoch)
+                self._survive(error, epoch)
         if phase not in (Phase.STEP, Phase.EXCHANGE, Phase.EXIT):  # (a step's, after its record; none after exit)
             self._write_losses(epoch, step)
         return result
@@ -155,21 +154,41 @@ class SurvivingGuard:
                 pass  # this rank now holds the front's state: enter where the front is
 
     # ---- recovery ---------------------------------------------------------------------------------------------
+    def _survive(self, error: BaseException, epoch: int) -> None:
+        """Recover from ``error`` if it may be a loss (else raise it). Another peer lost during the recovery (while
+        the survivors agree, form their group, follow the change or heal) is a failure of the recovery like any
+        other: they agree again, over who is left, and each loss is written once."""
+        changes = self.failures.membership.changes
+        self._reported = len(changes)  # the changes a rank_lost event has named
+        while True:
+            if not may_be_a_loss(error):
+                raise error
+            try:
+                self._recover(error, epoch)
+                return
+            except CatchUp:
+                raise
+            except Exception as again:
+                error = again
+
     def _recover(self, error: BaseException, epoch: int) -> None:
         """After ``error``: agree on who is gone, regroup and follow the change; on a survivor one collective
         behind the others, take the front's state and raise :class:`CatchUp`."""
-        detected, host = time.time(), self.host
+        detected, host, changes = time.time(), self.host, self.failures.membership.changes
         recovery = self.failures.recover(error, self._at.position)
-        change, event = recovery.change, recovery.event
+        # the ranks removed since the last event: an agreement cut short by another loss removed some already
+        removed, self._reported = sorted(r for c in changes[self._reported :] for r in c.removed), len(changes)
+        event = {**recovery.event, "ranks": removed}
         own = sum(tensor_bytes(t) for t in _tensors(host.sync.local_state_dict()))
         self._lost.append({**event, "detected_at": detected, "lost_state_bytes": own})  # what the lost rank took
-        self.lost_ranks += change.removed
+        self.lost_ranks += removed
         healed = ""
         if recovery.behind:
             healed = f"; rank(s) {recovery.behind} were a collective behind: they take rank {recovery.source}'s state"
+        going_on = len(recovery.change.ranks)
         host.recorder.console(
-            f"relaxsync: rank(s) {change.removed} {event['cause']} at step {event['failed_step']}; "
-            f"{len(change.ranks)} ranks go on and redo the {event['redo']} of step {recovery.front.step}{healed}"
+            f"relaxsync: rank(s) {removed} {event['cause']} at step {event['failed_step']}; "
+            f"{going_on} ranks go on and redo the {event['redo']} of step {recovery.front.step}{healed}"
         )
         host.apply(SyncReport(), epoch)  # the algorithm answers the change (on_membership_change)
         snapshot = self.failures.heal(recovery, lambda behind: self._snapshot(behind, recovery.front))

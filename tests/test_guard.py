@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from _workers import guard_bookkeeping
 from conftest import FAST, train_each
 
@@ -40,3 +42,91 @@ def test_abort_uses_the_null_guard_and_records_no_position_or_history_while_cont
         assert train == [(s, Phase.EXCHANGE.value) for s in range(len(train))] and train
         assert {phase for _, phase, _ in kept["history"]} <= {p.value for p in Phase}
     assert Position(3, Phase.EVALUATION).key < Position(3, Phase.STEP).key < Position(4, Phase.EVALUATION).key
+
+
+class _Host:
+    """What the surviving guard uses of the trainer, recording the changes it is asked to follow."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        from engine.state import RunState
+
+        self.run, self.applied, self.lines = RunState(), [], []
+        self.recorder = SimpleNamespace(observers=[], console=self.lines.append)
+        self.sync = SimpleNamespace(local_state_dict=dict)
+
+    def apply(self, report, epoch: int) -> None:
+        self.applied.append(epoch)
+
+
+def _agreeing(membership, outcomes: list):
+    """A stand-in for ``Failures.recover``: each call removes the next ranks as ``Membership.adopt`` does (the
+    change holds before the group forms) and then raises the next outcome, or returns the recovery."""
+    from distributed.membership import Change
+    from engine.failures import Recovery
+
+    def recover(error, at):
+        ranks, outcome = outcomes.pop(0)
+        membership.generation += 1
+        membership.ranks = [r for r in membership.ranks if r not in ranks]
+        change = Change(membership.generation, ranks, list(membership.ranks), "died")
+        membership.changes.append(change)
+        if outcome is not None:
+            raise outcome
+        where = {r: [at.step, at.phase.value] for r in membership.ranks}
+        event = {"event": "rank_lost", "ranks": ranks, "cause": "died", "failed_step": at.step, "redo": "step"}
+        return Recovery(change, event, where)
+
+    return recover
+
+
+def test_a_peer_lost_while_the_survivors_agree_is_agreed_on_in_turn_and_each_loss_is_written_once():
+    """Rank 3 dies in a step; while the survivors form their group, rank 2 dies too (the new group's first
+    collective fails): they agree again, over ranks 0 and 1, redo the step once, and one rank_lost event names
+    both. A recovery that ended without another loss writes its own event (two losses, two events)."""
+    import torch.distributed as dist
+
+    from distributed.membership import Membership
+    from engine.guard import SurvivingGuard
+
+    host, membership = _Host(), Membership(0, 4)
+    guard = SurvivingGuard(membership, 3.0, host)
+    lost_again = dist.DistBackendError("the new group's first collective failed: rank 2 is gone")
+    guard.failures.recover = _agreeing(membership, [([3], lost_again), ([2], None)])
+    attempts = []
+
+    def step():
+        attempts.append(membership.generation)
+        if len(attempts) == 1:
+            raise RuntimeError("Connection closed by peer")
+        return "stepped"
+
+    assert guard.run(Phase.STEP, step, epoch=1) == "stepped"
+    assert attempts == [0, 2] and membership.ranks == [0, 1]  # redone once, on the group after both changes
+    (event,) = guard._lost
+    assert event["ranks"] == [2, 3] and guard.lost_ranks == [2, 3] and host.applied == [1]
+    assert "rank(s) [2, 3] died at step 0; 2 ranks go on" in host.lines[0]
+
+    guard.failures.recover = _agreeing(membership, [([1], None)])  # a later loss: an event of its own
+    attempts.clear()
+    assert guard.run(Phase.STEP, step, epoch=1) == "stepped"
+    assert [e["ranks"] for e in guard._lost] == [[2, 3], [1]] and guard.lost_ranks == [2, 3, 1]
+
+
+def test_an_error_of_the_recovery_that_is_no_loss_ends_the_run_and_an_unreachable_store_is_never_retried():
+    from distributed.membership import Membership
+    from engine.failures import StoreUnreachable
+    from engine.guard import SurvivingGuard
+
+    for outcome in (KeyError("front"), StoreUnreachable("cannot reach the c10d store")):
+        host, membership = _Host(), Membership(0, 3)
+        guard = SurvivingGuard(membership, 3.0, host)
+        guard.failures.recover = _agreeing(membership, [([2], outcome), ([1], None)])
+
+        def step():
+            raise RuntimeError("Connection closed by peer")
+
+        with pytest.raises(type(outcome)):
+            guard.run(Phase.STEP, step, epoch=1)
+        assert host.applied == [] and not guard._lost
