@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from _workers import guard_bookkeeping
 from conftest import FAST, train_each
 
