@@ -174,6 +174,8 @@ class Result:
     steps: int | None = None
     world_size: int | None = None
     log_dir: str = ""
+    steps_recorded: int = 0
+    restarted: bool = False  # its first start never reached a step (a failed rendezvous), and it ran again
 
 
 def free_port() -> int:
@@ -229,7 +231,16 @@ def kinds(records: list[dict], kind: str) -> list[dict]:
 
 
 def run_cell(cell: Cell, seed: int, out: Path, timeout: float = 300) -> Result:
-    """One run of ``cell``; its logs in ``out/<cell name>``."""
+    """One run of ``cell``; its logs in ``out/<cell name>``. A job that never started training (its rendezvous
+    failed, before any fault) is started once more, and the result says so."""
+    result = _run_cell(cell, seed, out, timeout)
+    if not result.ok and not result.fired and not result.steps_recorded:
+        result = _run_cell(cell, seed, out, timeout)
+        result.restarted = True
+    return result
+
+
+def _run_cell(cell: Cell, seed: int, out: Path, timeout: float) -> Result:
     log_dir = out / cell.name.replace(":", "_")
     if log_dir.exists():
         subprocess.run(["rm", "-rf", str(log_dir)], check=True)
@@ -261,6 +272,7 @@ def run_cell(cell: Cell, seed: int, out: Path, timeout: float = 300) -> Result:
             agent.wait()
     result.seconds = round(time.monotonic() - started, 1)
     result.ok = not result.problems
+    result.steps_recorded = len(kinds(read_records(run_dir), "train"))
     return result
 
 
@@ -284,6 +296,7 @@ def watch(cell, plan: Plan, agents, run_dir: Path, log_dir: Path, timeout: float
         for node, path in reports.items():
             if node not in fired and path.exists():
                 fired[node] = json.loads(path.read_text())
+        result.fired = list(fired.values())
         records = read_records(run_dir)
         lost = {r for e in kinds(records, "event") if e["event"] == "rank_lost" for r in e["ranks"]}
         for node, report in fired.items():
@@ -354,8 +367,8 @@ def landed(report: dict) -> set[str]:
         phases.add("checkpoint")
     if report["phase"] == "in flight" and where[-1:] == ["step"] and report["in_flight"]:
         phases.add("in flight")
-    if report["phase"] == "exchange" and where[-1:] in (["step"], ["exchange"]):
-        phases.add("exchange")  # (inside a collective of the step: DDP's allreduce runs in its backward)
+    if report["phase"] == "exchange" and report.get("by") == "collective":
+        phases.add("exchange")  # (just after it issued a collective, in the part that issued it)
     return phases
 
 
@@ -397,12 +410,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(cell: Cell) -> Result:
         result = run_cell(cell, args.seed, args.out)
-        mark = "ok  " if result.ok else "FAIL"
+        mark = ("ok  " if result.ok else "FAIL") + ("*" if result.restarted else " ")
         where = "; ".join(
             f"rank {f.get('rank')} {f.get('fault')} in {' > '.join(f.get('where', []))} at step {f.get('step')}"
             for f in result.fired
         )
         print(f"{mark} {cell.name:44s} {result.seconds:5.1f} s  {where}", flush=True)
+        if result.restarted:
+            print("       * started again: the first start never reached a step", flush=True)
         for problem in result.problems:
             print(f"       {problem}", flush=True)
         if not result.ok:

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 # earlier step still in flight; "recovery" and "loader rebuild" follow another node's loss.
 PHASES = ("step", "exchange", "in flight", "epoch boundary", "evaluation", "checkpoint", "loader rebuild", "recovery")
 TRIES = 4
+PARTS = ("step", "exchange", "evaluation", "checkpoint", "epoch boundary")  # the loop's parts, as labelled here
 
 
 class Injector:
@@ -37,7 +38,7 @@ class Injector:
         self.plan = plan
         self.fault, self.phase = plan["fault"], plan["phase"]
         self.delay_s = plan.get("delay_ms", 0.0) / 1000
-        self.tries = 0
+        self.tries, self.by = 0, ""
         self.fired = False
         self.where: list[str] = []  # the parts of the loop this worker is in, innermost last
         self.step = -1
@@ -62,11 +63,11 @@ class Injector:
     def due(self) -> bool:
         return not self.fired and self.step >= self.plan.get("step", 0) and self._armed is None
 
-    def arm(self, label: str, tries: int = TRIES) -> None:
+    def arm(self, label: str, tries: int = TRIES, by: str = "part") -> None:
         """Fire ``delay`` after now if this worker is still in ``label`` (at the same depth) then; at once after
-        ``tries`` timers that came too late."""
+        ``tries`` timers that came too late. ``by``: what armed it (the part's start, or a collective in it)."""
         delay = self.delay_s / 2**self.tries if self.tries < tries else 0.0
-        self.tries += 1
+        self.tries, self.by = self.tries + 1, by
         if delay <= 0:
             self.fire()
             return
@@ -76,10 +77,9 @@ class Injector:
 
         def later() -> None:
             time.sleep(delay)
-            with self._lock:
-                if self._armed is not token:
-                    return
-            self.fire()
+            with self._lock:  # (held while it fires: the part cannot end in between)
+                if self._armed is token:
+                    self.fire()
 
         threading.Thread(target=later, daemon=True).start()
 
@@ -95,6 +95,7 @@ class Injector:
             "step": self.step,
             "where": list(self.where),
             "in_flight": len(self.in_flight),
+            "by": self.by,
             "time": time.time(),
         }
         path = Path(self.plan["report"])
@@ -160,11 +161,12 @@ def install(plan: dict) -> Injector:
         original = getattr(dist, name)
 
         def issue(*args, **kwargs):
-            if phase == "exchange" and chaos.due() and chaos.where[-1:] in (["step"], ["exchange"]):
+            # (in any part of the loop: sync=none exchanges only to average the replicas for an evaluation)
+            if phase == "exchange" and chaos.due() and chaos.where[-1:] and chaos.where[-1] in PARTS:
                 chaos.collectives += 1
                 if chaos.collectives > chaos.nth:
                     work = original(*args, **kwargs)
-                    chaos.arm(chaos.where[-1])  # inside it: after it was issued, while the peers take part
+                    chaos.arm(chaos.where[-1], by="collective")  # after it was issued, while the peers take part
                     return work
             return original(*args, **kwargs)
 

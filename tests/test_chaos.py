@@ -34,3 +34,36 @@ def test_the_matrix_has_every_option_phase_and_fault():
     assert {c.option for c in cells if c.phase == "in flight"} == {n for n, o in OPTIONS.items() if o.overlapped}
     assert all(Cell.parse(c.name) == c for c in cells)
     assert draw(cells, 3, 5) == draw(cells, 3, 5) and len(set(draw(cells, 3, 5))) == 5
+
+
+def test_the_checks_of_a_run_fail_on_each_thing_that_can_go_wrong(tmp_path):
+    """A run's records as a 3-node run that lost rank 2 in step 5 writes them, checked as they are and then with
+    one thing wrong at a time: each is named."""
+    from _chaos import EPOCHS, Plan, Result, check
+
+    cell = Cell("allreduce", "step", "kill")
+    plan = Plan(3, {2: {"fault": "kill", "phase": "step", "report": ""}})
+    fired = {2: {"rank": 2, "phase": "step", "where": ["step"], "in_flight": 0}}
+    steps = [(1, 3, s) for s in range(6)] + [(1, 2, s) for s in range(6, 12)]  # epoch 1 started at 3 ranks
+    steps += [(e, 2, 12 + 18 * (e - 2) + i) for e in range(2, EPOCHS + 1) for i in range(18)]
+    train = [{"kind": "train", "epoch": e, "world_size": w, "step": s} for e, w, s in steps]
+    lost = {"kind": "event", "event": "rank_lost", "ranks": [2]}
+    summary = {"kind": "summary", "finished": True, "steps": len(train), "world_size": 2, "lost_ranks": [2]}
+    summary["replica_spread"] = 0.0
+    (tmp_path / "node0.log").write_text("relaxsync: finished\n")
+
+    def problems(records=None, fired_=fired, log="") -> list[str]:
+        (tmp_path / "node1.log").write_text(log)
+        records = records if records is not None else [*train, lost, summary]
+        return check(cell, plan, fired_, records, tmp_path, Result(cell.name, 0, False))
+
+    assert problems() == []
+    assert "steps recorded" in problems([*train[:7], train[6], *train[7:], lost, summary])[0]  # one step twice
+    assert "epoch 1 has 11 steps" in problems([*train[:11], *train[12:], lost, {**summary, "steps": 65}])[-1]
+    assert "world size 3" in problems([*train, lost, {**summary, "world_size": 3}])[0]
+    assert "replicas differ" in problems([*train, lost, {**summary, "replica_spread": 1e-3}])[0]
+    assert "rank_lost events name []" in problems([*train, summary])[0]
+    assert "Traceback" in problems(log="Traceback (most recent call last):\n  boom")[0]
+    assert "never fired" in problems(fired_={})[0]
+    elsewhere = {2: {**fired[2], "where": ["evaluation"]}}
+    assert "fired in ['evaluation']" in problems(fired_=elsewhere)[0]
