@@ -373,11 +373,13 @@ def landed(report: dict) -> set[str]:
 
 
 def _epochs(train: list[dict], nodes: int) -> list[str]:
-    """Each epoch has the steps of a world size it trained at (or the one it started at)."""
+    """Each epoch has the steps of the world its training data was sharded for: one between the world it started
+    in and the one it ended with (a loss as it starts, before its first step, may shard for a world that never
+    took a step; a loss during it leaves the shards as they were until the next epoch)."""
     problems, before = [], nodes
     for epoch in sorted({r["epoch"] for r in train}):
         rows = [r for r in train if r["epoch"] == epoch]
-        worlds = {before} | {r["world_size"] for r in rows}
+        worlds = range(min(r["world_size"] for r in rows), before + 1)
         allowed = {SAMPLES // w // BATCH for w in worlds}
         if len(rows) not in allowed:
             problems.append(f"epoch {epoch} has {len(rows)} steps; world sizes {sorted(worlds)} give {sorted(allowed)}")
