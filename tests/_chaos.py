@@ -149,10 +149,13 @@ class Plan:
             first |= {"step": rng.randint(1, 30), "delay_ms": rng.uniform(0, 40)}
         elif cell.phase in ("evaluation", "checkpoint"):
             first |= {"step": rng.randint(3, 16), "delay_ms": rng.uniform(0, 60)}
+        if cell.option == "none":  # (it exchanges nothing in training: a collective of any part of the loop)
+            first["anywhere"] = True
         faults = {victims[0]: first}
         if second:  # the first loss, in a step or its exchange; the second one in the phase
             early = {"fault": cell.fault, "step": rng.randint(3, 12), "report": first["report"]}
             early |= rng.choice([{"phase": "step", "delay_ms": 10.0}, {"phase": "exchange", "delay_ms": 1.0}])
+            early["anywhere"] = cell.option == "none"
             report = str(out / f"fault-node{victims[1]}.json")
             later = {"fault": cell.fault, "phase": cell.phase, "report": report}
             if cell.phase == "recovery":

@@ -161,8 +161,10 @@ def install(plan: dict) -> Injector:
         original = getattr(dist, name)
 
         def issue(*args, **kwargs):
-            # (in any part of the loop: sync=none exchanges only to average the replicas for an evaluation)
-            if phase == "exchange" and chaos.due() and chaos.where[-1:] and chaos.where[-1] in PARTS:
+            # A training exchange: the step's or the exchange after it; with ``anywhere``, in any part of the loop
+            # (sync=none exchanges only to average the replicas for an evaluation or a checkpoint).
+            parts = PARTS if plan.get("anywhere") else ("step", "exchange")
+            if phase == "exchange" and chaos.due() and chaos.where[-1:] and chaos.where[-1] in parts:
                 chaos.collectives += 1
                 if chaos.collectives > chaos.nth:
                     work = original(*args, **kwargs)
