@@ -199,6 +199,10 @@ class SurvivingGuard:
                 host.recorder.replay(snapshot["records"])
             finally:
                 self._replaying = False
+            # A loss the front has written already (this rank was healed after a later one, during whose recovery
+            # the front went on and redid what the earlier loss had in flight) is not written again.
+            written = {tuple(r["ranks"]) for r in snapshot["records"] if r.get("event") == "rank_lost"}
+            self._lost = [e for e in self._lost if tuple(e["ranks"]) not in written]
             self._entering = snapshot["entry"]
             raise CatchUp(self._entering)
 

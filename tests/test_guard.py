@@ -129,3 +129,44 @@ def test_an_error_of_the_recovery_that_is_no_loss_ends_the_run_and_an_unreachabl
         with pytest.raises(type(outcome)):
             guard.run(Phase.STEP, step, epoch=1)
         assert host.applied == [] and not guard._lost
+
+
+def test_a_rank_healed_after_a_second_loss_writes_no_loss_the_front_has_written():
+    """Rank 0 is a collective behind when rank 2 is lost; rank 1, its source, hangs while it heals it. The others
+    agree on rank 1, and rank 3 (which went on and redid what was in flight, writing rank 2's loss) heals rank 0,
+    which takes rank 3's records, rank 2's loss among them, and writes only rank 1's of its own."""
+    from distributed.membership import Membership
+    from engine.failures import Phase
+    from engine.guard import CatchUp, SurvivingGuard
+
+    host, membership = _Host(), Membership(0, 4)
+    replayed = []
+    host.recorder.replay = replayed.extend
+    host.load_state_dict = lambda state: None
+    guard = SurvivingGuard(membership, 3.0, host)
+    agreed = _agreeing(membership, [([2], None), ([1], None)])
+
+    def behind(error, at):  # rank 0 failed a collective before the others
+        recovery = agreed(error, at)
+        where = {r: [at.step, "exchange" if r == 0 else "checkpoint"] for r in recovery.change.ranks}
+        return recovery.__class__(recovery.change, {**recovery.event, "redo": "checkpoint"}, where)
+
+    guard.failures.recover = behind
+    front_wrote = {"kind": "event", "event": "rank_lost", "ranks": [2]}
+    snapshot = {"state": {}, "records": [front_wrote], "entry": guard._at}
+    heals = [RuntimeError("Connection closed by peer"), snapshot]  # rank 1 hangs as it sends; then rank 3 heals
+
+    def heal(recovery, build):
+        outcome = heals.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    guard.failures.heal = heal
+
+    def exchange():
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(CatchUp):
+        guard.run(Phase.EXCHANGE, exchange, epoch=1)
+    assert replayed == [front_wrote] and [e["ranks"] for e in guard._lost] == [[1]]
