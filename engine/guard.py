@@ -201,8 +201,10 @@ class SurvivingGuard:
                 self._replaying = False
             # A loss the front has written already (this rank was healed after a later one, during whose recovery
             # the front went on and redid what the earlier loss had in flight) is not written again.
-            written = {tuple(r["ranks"]) for r in snapshot["records"] if r.get("event") == "rank_lost"}
-            self._lost = [e for e in self._lost if tuple(e["ranks"]) not in written]
+            losses = [record for record in snapshot["records"] if record.get("event") == "rank_lost"]
+            written = {r for record in losses for r in record["ranks"]}
+            pending = [{**e, "ranks": [r for r in e["ranks"] if r not in written]} for e in self._lost]
+            self._lost = [e for e in pending if e["ranks"]]
             self._entering = snapshot["entry"]
             raise CatchUp(self._entering)
 
