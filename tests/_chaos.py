@@ -53,6 +53,7 @@ BASE = [
 ]  # fmt: skip
 
 DGC = ["optimizer=momentum", "sync.min_compress_numel=1024", "sync.rampup_begin_step=2"]
+DGC_INNER = [o.replace("sync.", "sync.inner.") for o in DGC]
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ OPTIONS = {
     "crossover": Option(["sync=crossover"], False),
     "crossover-overlap": Option(["sync=crossover", "sync.overlap=true"], False, True),
     "relaxed": Option(["sync=relaxed"], True),
-    "relaxed-dgc": Option(["sync=relaxed", "sync@sync.inner=dgc", *DGC], True),
+    "relaxed-dgc": Option(["sync=relaxed", "sync@sync.inner=dgc", *DGC_INNER], True),
     "relaxed-localsgd": Option(["sync=relaxed", "sync@sync.inner=localsgd", "sync.inner.k_steps=4"], True),
 }
 

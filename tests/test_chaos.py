@@ -8,7 +8,10 @@ import os
 import time
 
 import pytest
-from _chaos import Cell, draw, matrix, run_cell
+from _chaos import BASE, Cell, draw, matrix, run_cell
+from conftest import CONF_DIR, plain_cfg
+
+from engine.config import check_override_keys
 
 SEED = int(os.environ.get("CHAOS_SEED", int(time.time() // 86400)))  # the day's, unless given
 SAMPLE = 2
@@ -33,6 +36,9 @@ def test_the_matrix_has_every_option_phase_and_fault():
     assert {c.phase for c in cells} == set(PHASES) and {c.fault for c in cells} == {"kill", "hang"}
     assert {c.option for c in cells if c.phase == "in flight"} == {n for n, o in OPTIONS.items() if o.overlapped}
     assert all(Cell.parse(c.name) == c for c in cells)
+    for option in OPTIONS.values():  # every option's overrides are keys of the config and compose
+        check_override_keys([*BASE, *option.overrides], str(CONF_DIR))
+        plain_cfg(*BASE, *option.overrides)
     assert draw(cells, 3, 5) == draw(cells, 3, 5) and len(set(draw(cells, 3, 5))) == 5
 
 
