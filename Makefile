@@ -35,7 +35,7 @@ SEED ?= 0
 N ?=
 ONLY ?=
 JOBS ?= 1
-chaos: $(STAMP) ## (~2 h) every sync option x phase x kill/hang on 3-4 torchrun nodes; SEED=, N= cells, ONLY=cell, JOBS=
+chaos: $(STAMP) ## (~80 min) every sync option x phase x kill/hang on 3-4 torchrun nodes; SEED=, N= cells, ONLY=cell, JOBS=
 	$(PY) -m tests._chaos --seed $(SEED) $(if $(N),--n $(N)) $(if $(ONLY),--only $(ONLY)) --jobs $(JOBS)
 
 lint: $(STAMP) ## ruff check + format check
