@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig
@@ -54,7 +55,7 @@ def main(cfg: DictConfig) -> float | None:
     return summary["top1"] if summary else None
 
 
-def worker_main(argv: list[str]) -> None:
+def worker_main(argv: list[str]) -> Any:
     """Under torchrun/Slurm: compose the same config without Hydra's per-process output dirs, then train."""
     from hydra import compose, initialize_config_dir
 
@@ -68,13 +69,35 @@ def worker_main(argv: list[str]) -> None:
         plain = prepare(cfg)
     except ConfigError as error:
         fail(error)
-    run_worker(plain, plain["trainer"]["run_dir"] or external_run_dir())
+    return run_worker(plain, plain["trainer"]["run_dir"] or external_run_dir())
+
+
+def slurm_worker_main(argv: list[str]) -> None:
+    """A task ``srun`` started: one worker of the job's world (rank, size and rendezvous from Slurm's environment)."""
+    from engine.launch import slurm_world
+
+    world = slurm_world()
+    nproc = [a for a in argv if a.split("=")[0].lstrip("+") == "trainer.nproc"]
+    if nproc and world["RANK"] == "0":
+        print(
+            f"relaxsync: {nproc[0]} is ignored under srun: each of its {world['WORLD_SIZE']} tasks is one worker "
+            "(srun --ntasks-per-node sets the workers per node)",
+            file=sys.stderr,
+        )
+    os.environ.update(world)
+    result = worker_main(argv)
+    if result.stopped_by and world["RANK"] == "0":  # every rank has checkpointed the agreed step and left the loop
+        from engine.launch import requeue_slurm_job
+
+        print(f"relaxsync: {requeue_slurm_job()}", flush=True)
 
 
 if __name__ == "__main__":
-    from engine.launch import under_external_launcher
+    from engine.launch import slurm_task, under_external_launcher
 
-    if under_external_launcher():
+    if slurm_task():
+        slurm_worker_main(sys.argv[1:])
+    elif under_external_launcher():
         worker_main(sys.argv[1:])
     else:
         try:

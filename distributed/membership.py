@@ -76,7 +76,7 @@ def form_group(ranks: list[int], timeout: datetime.timedelta | None = None) -> d
 def host_names() -> list[str]:
     """Collective over the world group: every rank's host name, in rank order."""
     hosts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
+    dist.all_gather_object(hosts, os.environ.get("SLURMD_NODENAME") or socket.gethostname())  # (Slurm's name)
     return hosts
 
 

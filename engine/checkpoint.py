@@ -121,7 +121,8 @@ class Checkpointer:
         # trainer.resume said: after a failure (torchrun --max-restarts, trainer.max_restarts), and when the agents
         # stopped the world with SIGTERM to let a node join (--nnodes MIN:MAX; the restart count stays 0 then, but
         # the stop checkpoint names the job).
-        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        # A requeued Slurm job (after a stop on a signal, preemption) is restarted the same way.
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("SLURM_RESTART_COUNT") or 0)
         self.job = os.environ.get("TORCHELASTIC_RUN_ID")
         self.stop_path = os.path.join(checkpoint_dir(run_dir), STOP)
         self.rejoined = resume is None and not self.restart and self.job is not None and self._stopped_job() == self.job

@@ -27,6 +27,7 @@ from engine.checkpoint import Checkpointer
 from engine.evaluate import Evaluation, Evaluator, reached_target
 from engine.failures import Phase
 from engine.guard import Site, build_guard, training_membership
+from engine.launch import launcher_name
 from engine.metrics import NoLogger, Recorder, progress_bar, shown
 from engine.optim import build_replica
 from engine.state import LoopState, RunState
@@ -79,9 +80,9 @@ class Trainer:
         self.evaluation = Evaluation(t, evaluator, self.run, self.recorder)
         self.guard = build_guard(t["on_failure"], self.membership, t["hang_timeout_s"], self)
         if not self.done():  # (a run resumed at its end writes nothing more)
-            self.recorder.start(self.membership.hosts, self.run.epoch + 1, self.step, resumed)
+            self.recorder.start(self.membership.hosts, self.run.epoch + 1, self.step, resumed, launcher_name())
         self.recorder.console(
-            f"relaxsync: {self.world_size} x {self.device.type}, model {cfg['model']['name']} "
+            f"relaxsync: {self.world_size} x {self.device.type} ({launcher_name()}), model {cfg['model']['name']} "
             f"({self.num_params / 1e6:.2f} M params), sync {self.sync.name}, {self.loaders.steps_per_epoch} "
             f"steps/epoch, global batch {self.batch_size * self.world_size}, run dir {shown(run_dir)}"
         )

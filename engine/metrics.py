@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from engine.rundir import Lease, world_id
 from errors import ConfigError, require
 
 # Train-record keys that W&B files under comm/ rather than train/ (summary totals stay under summary/).
@@ -156,20 +157,38 @@ class WandbLogger(ExperimentLogger):
 
     def log(self, record, step=None):
         if self.run is not None:
-            self.run.log(wandb_keys(record), step=step)
+            self._guarded(lambda: self.run.log(wandb_keys(record), step=step))
 
     def log_table(self, name, columns, rows):
         if self.run is not None and rows:
             import wandb
 
-            self.run.log({name: wandb.Table(columns=columns, data=rows)})
+            self._guarded(lambda: self.run.log({name: wandb.Table(columns=columns, data=rows)}))
 
     def finish(self, summary):
         if self.run is not None:
-            for key, value in wandb_keys(summary or {}, lists=True).items():
-                self.run.summary[key] = value
-            self.run.finish()
+
+            def finish() -> None:
+                for key, value in wandb_keys(summary or {}, lists=True).items():
+                    self.run.summary[key] = value
+                self.run.finish()
+
+            self._guarded(finish)
             self.run = None
+
+    def _guarded(self, call: Callable[[], Any]) -> None:
+        """W&B is a copy of metrics.jsonl: its failure (Slurm signals every process of a job step, W&B's service
+        process among them, and it ends on SIGTERM) ends the W&B run for this process, never the training run."""
+        try:
+            call()
+        except Exception as error:
+            run, self.run = self.run, None
+            print(
+                f"relaxsync: W&B run {run.id} stopped logging ({type(error).__name__}: {error}); metrics.jsonl keeps "
+                "every record, and a resumed run continues the W&B run",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def describe(self):
         if self.run is None:
@@ -198,6 +217,7 @@ class Recorder:
         self.steps = StepStats()
         self.observers: list[Callable[[dict[str, Any]], None]] = []  # called with every record, on every rank
         self.netdev: NetdevCounter | None = None  # trainer.netdev: the interface whose bytes records carry
+        self.lease: Lease | None = None  # the logging rank's hold on the run dir
         self.elect()
 
     def elect(self) -> None:
@@ -205,6 +225,9 @@ class Recorder:
         config beside them (under any launcher)."""
         if self.writer is not None or not self.membership.is_logging_rank:
             return
+        # One world per run dir: a second one started into it stops here, before writing anything (engine.rundir).
+        self.lease = Lease(self.run_dir, world_id())
+        self.lease.take()
         self.writer = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"))
         self._log = open(os.path.join(self.run_dir, "train.log"), "a", buffering=1)
         save_config(self.cfg, os.path.join(self.run_dir, CONFIG_FILE))
@@ -276,9 +299,13 @@ class Recorder:
         record.update(metrics)
         return record
 
-    def start(self, hosts: list[str], epoch: int, step: int, resumed: tuple[dict[str, Any], str] | None) -> None:
-        """The ``world`` event (``hosts``: rank -> host name) and, for a resumed run, its ``resume`` event and line."""
-        self.event({"event": "world", "world_size": len(hosts), "hosts": dict(enumerate(hosts))}, epoch, step)
+    def start(
+        self, hosts: list[str], epoch: int, step: int, resumed: tuple[dict[str, Any], str] | None, launcher: str
+    ) -> None:
+        """The ``world`` event (``hosts``: rank -> host name; the ``launcher`` that formed it) and, for a resumed
+        run, its ``resume`` event and line."""
+        world = {"event": "world", "world_size": len(hosts), "hosts": dict(enumerate(hosts)), "launcher": launcher}
+        self.event(world, epoch, step)
         if resumed is not None:
             event, line = resumed
             self.event(event, epoch, step)
@@ -331,6 +358,9 @@ class Recorder:
         if self._log is not None:
             self._log.close()
             self._log = None
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
         if left:
             self.logger.finish(None)
 

@@ -1,0 +1,209 @@
+"""Under Slurm, on a real one: a two-node cluster on this machine (``scripts/local-slurm.sh``, Debian's slurm-wlm and
+munge). Where it cannot start (not root, no packages) these tests skip and say why, except where
+``RELAXSYNC_REQUIRE_SLURM=1`` (CI, whose ``.ci/run`` installs the packages): there they fail instead."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, load_model_state, records, train
+
+from engine.metrics import read_metrics
+
+SCRIPT = ROOT / "scripts" / "local-slurm.sh"
+REQUIRED = os.environ.get("RELAXSYNC_REQUIRE_SLURM") == "1"
+RUN = ["model=test_resnet", "data=digits", "logger=none", "trainer.progress=false", "trainer.max_steps=3"]
+
+
+def _unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "the local Slurm cluster needs root (munged, slurmd)"
+    if not (shutil.which("slurmctld") and shutil.which("munged")):
+        return "Debian's slurm-wlm and munge are not installed"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory) -> dict[str, str]:
+    """The environment that reaches a running two-node cluster (n1, n2)."""
+    why = _unavailable()
+    if why is not None:
+        if REQUIRED:
+            pytest.fail(f"RELAXSYNC_REQUIRE_SLURM=1 but {why}")
+        pytest.skip(why)
+    state = tmp_path_factory.mktemp("slurm")
+    env = dict(os.environ, RELAXSYNC_SLURM_DIR=str(state), WANDB_SILENT="true")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    started = subprocess.run([str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stdout + started.stderr
+    env["SLURM_CONF"] = str(state / "slurm.conf")
+    yield env
+    subprocess.run([str(SCRIPT), "stop"], env=env, capture_output=True, timeout=60)
+
+
+def srun(env: dict[str, str], *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    command = ["srun", "-N2", "-n2", sys.executable, str(ROOT / "train.py"), *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_srun_forms_one_world_of_its_tasks_and_trains_as_two_local_workers_do(slurm, tmp_path):
+    """``srun -N2 -n2 python train.py``: each task is one worker (rank, world and rendezvous from Slurm), the world
+    event names the nodes n1 and n2 and the launcher, every step is recorded once, and the parameters are
+    bit-identical to ``trainer.nproc=2`` on the same config."""
+    run_dir = tmp_path / "srun"
+    done = srun(slurm, *RUN, "trainer.nproc=4", f"trainer.run_dir={run_dir}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trainer.nproc=4 is ignored under srun: each of its 2 tasks is one worker" in done.stderr
+    assert done.stdout.count("relaxsync: 2 x cpu (srun)") == 1  # one world, not one per task
+    metrics = read_metrics(str(run_dir / "metrics.jsonl"))
+    (world,) = [e for e in records(metrics, "event") if e["event"] == "world"]
+    assert world["hosts"] == {"0": "n1", "1": "n2"} and world["launcher"] == "srun"
+    assert [r["step"] for r in records(metrics, "train")] == [0, 1, 2]
+
+    train(tmp_path / "local", *RUN, "trainer.nproc=2")
+    on_slurm, local = load_model_state(run_dir), load_model_state(tmp_path / "local")
+    assert on_slurm.keys() == local.keys()
+    assert all(torch.equal(on_slurm[k], local[k]) for k in local), "srun and trainer.nproc=2 differ"
+
+
+def test_two_worlds_started_into_one_run_dir_cannot_both_write_it(tmp_path):
+    """Two launches of one command into one run dir at the same moment: one trains, the other stops before writing
+    anything, naming the world that holds the dir; every step is recorded once."""
+    run_dir, results = tmp_path / "twice", {}
+    command = [sys.executable, str(ROOT / "train.py"), *RUN, "trainer.nproc=1", f"trainer.run_dir={run_dir}"]
+    env = dict(os.environ, WANDB_SILENT="true", HYDRA_FULL_ERROR="0")
+
+    def launch(i: int) -> None:
+        results[i] = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    threads = [threading.Thread(target=launch, args=(i,)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    codes = sorted(r.returncode for r in results.values())
+    assert codes == [0, 1], [r.stderr[-2000:] for r in results.values()]
+    refused = next(r for r in results.values() if r.returncode == 1)
+    assert f"run dir {run_dir} is in use by another world" in refused.stderr
+    assert "launched by local" in refused.stderr
+    metrics = read_metrics(str(run_dir / "metrics.jsonl"))
+    assert [r["step"] for r in records(metrics, "train")] == [0, 1, 2]
+    assert len(records(metrics, "summary")) == 1 and not (run_dir / "run.lease").exists()  # released at the end
+
+
+def test_a_world_coming_back_takes_its_lease_over_and_a_stale_one_is_taken_over(tmp_path, monkeypatch):
+    """The same world (a restart, a requeued job) holds its dir again at once; another world only once the lease has
+    gone unrenewed for STALE_S (its world died without releasing it)."""
+    from engine import rundir
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    first = rundir.Lease(str(tmp_path), "slurm-7")
+    first.take()
+    first._done.set()  # (it died: no more renewals, no release)
+    rundir.Lease(str(tmp_path), "slurm-7").take()  # requeued: the same job
+    with pytest.raises(rundir.RunDirInUse, match=r"in use by another world \(slurm-7, 2 ranks"):
+        rundir.Lease(str(tmp_path), "slurm-8").take()
+    old = Path(tmp_path / rundir.LEASE).stat().st_mtime - rundir.STALE_S - 1
+    os.utime(tmp_path / rundir.LEASE, (old, old))
+    rundir.Lease(str(tmp_path), "slurm-8").take()
+
+
+TASK = {
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_NODELIST": "gpu[07-08,11]",
+    "SLURM_JOB_NODELIST": "gpu[07-08,11]",
+}
+
+
+def test_the_launcher_reads_a_slurm_task_and_leaves_the_batch_script_and_torchrun_alone():
+    from engine.launch import external_run_dir, launcher_name, slurm_task, under_external_launcher
+
+    batch = {k: v for k, v in TASK.items() if k != "SLURM_STEP_ID"}  # sbatch's script: no step
+    assert slurm_task(TASK) and under_external_launcher(TASK) and launcher_name(TASK) == "srun"
+    assert not slurm_task(batch) and not under_external_launcher(batch)
+    assert not slurm_task({**TASK, "RANK": "3", "WORLD_SIZE": "8"})  # a worker of torchrun under srun
+    assert external_run_dir(TASK) == os.path.join("outputs", "slurm", "4242")
+
+
+def test_a_slurm_tasks_world_comes_from_slurm_and_its_first_node(slurm, monkeypatch):
+    """The rendezvous host is the step's first node, from a compressed list (Slurm's own ``scontrol`` expands it);
+    the port is the job's (the same for every task, and after a requeue) unless MASTER_PORT is set."""
+    from engine.launch import slurm_world
+
+    monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
+    world = slurm_world(TASK)
+    assert world["MASTER_ADDR"] == "gpu07" and (world["RANK"], world["WORLD_SIZE"]) == ("3", "8")
+    assert world["LOCAL_RANK"] == "1" and world["MASTER_PORT"] == slurm_world(dict(TASK))["MASTER_PORT"]
+    assert slurm_world({**TASK, "MASTER_PORT": "29500"})["MASTER_PORT"] == "29500"
+
+
+def _job_state(env: dict[str, str], job: str) -> dict[str, str]:
+    shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True)
+    return dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
+
+
+def test_a_job_signalled_mid_run_checkpoints_is_requeued_resumes_and_finishes_with_every_step_once(slurm, tmp_path):
+    """A 2-node sbatch job gets SIGTERM mid-run (``scancel --signal=TERM``, as a time limit's ``--signal`` or a
+    preemption would send it): every rank stops at an agreed step and checkpoints, rank 0 requeues the job, which
+    runs again, resumes from that step by itself and finishes: every step once, no step lost, one W&B run."""
+    import time
+
+    run_dir = tmp_path / "job"
+    run_dir.mkdir()
+    overrides = [
+        "model=test_resnet",
+        "data=synthetic",
+        "data.num_samples=1024",
+        "data.num_val_samples=64",
+        "trainer.epochs=2",
+        "trainer.progress=false",
+        "straggler=sleep",
+        "straggler.ranks=[0,1]",
+        "straggler.sleep_s=0.25",
+        f"trainer.run_dir={run_dir}",
+    ]  # fmt: skip  (16 steps per epoch at 2 ranks, a quarter second each; W&B offline)
+    script = run_dir / "job.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH -N2 -n2 --requeue --open-mode=append\n"
+        f"srun {sys.executable} {ROOT / 'train.py'} {' '.join(overrides)}\n"
+    )
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "-o", str(run_dir / "slurm-%j.out"), str(script)],
+        cwd=ROOT, env=slurm, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    job, metrics, deadline = submitted.stdout.strip().split(";")[0], run_dir / "metrics.jsonl", time.monotonic() + 240
+    while not (metrics.exists() and len(records(read_metrics(str(metrics)), "train")) >= 5):
+        assert time.monotonic() < deadline, (run_dir / f"slurm-{job}.out").read_text()[-3000:]
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=TERM", job], env=slurm, check=True)
+    hurried = False
+    while (state := _job_state(slurm, job)).get("JobState") != "COMPLETED":
+        assert time.monotonic() < deadline, (run_dir / f"slurm-{job}.out").read_text()[-3000:]
+        if state.get("JobState") == "PENDING" and not hurried:  # (Slurm holds a requeued job ~2 min: not ours)
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True)
+            hurried = True
+        time.sleep(0.5)
+
+    output = (run_dir / f"slurm-{job}.out").read_text()
+    assert f"relaxsync: Slurm job {job} requeued" in output, output[-3000:]
+    assert _job_state(slurm, job)["Restarts"] == "1"
+    rows = read_metrics(str(metrics))
+    stopped, finished = records(rows, "summary")
+    assert stopped["stopped_by"] == "SIGTERM" and not stopped["finished"] and finished["finished"]
+    (resume,) = [e for e in records(rows, "event") if e["event"] == "resume"]
+    assert resume["restart"] == 1 and resume["step"] == stopped["steps"]
+    assert [r["step"] for r in records(rows, "train")] == list(range(32))  # none lost, none repeated
+    runs = {p.name.rsplit("-", 1)[-1] for p in (run_dir / "wandb").glob("offline-run-*")}
+    assert len(runs) == 1, runs  # the requeued job continued the same W&B run
