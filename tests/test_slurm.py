@@ -207,3 +207,64 @@ def test_a_job_signalled_mid_run_checkpoints_is_requeued_resumes_and_finishes_wi
     assert [r["step"] for r in records(rows, "train")] == list(range(32))  # none lost, none repeated
     runs = {p.name.rsplit("-", 1)[-1] for p in (run_dir / "wandb").glob("offline-run-*")}
     assert len(runs) == 1, runs  # the requeued job continued the same W&B run
+
+
+def _task_pid(job: str, rank: int) -> int | None:
+    """The pid of task ``rank`` of Slurm job ``job`` (the local cluster runs every task on this machine)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = dict(kv.split(b"=", 1) for kv in (entry / "environ").read_bytes().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if environ.get(b"SLURM_JOB_ID") == job.encode() and environ.get(b"SLURM_PROCID") == str(rank).encode():
+            if b"train.py" in (entry / "cmdline").read_bytes():
+                return int(entry.name)
+    return None
+
+
+def test_a_task_killed_under_srun_is_survived_by_the_others_with_on_failure_continue(slurm, tmp_path):
+    """``srun -n3`` with ``trainer.on_failure=continue``: task 2 is killed with ``kill -9`` mid-run; srun keeps the
+    others running (its default ``--kill-on-bad-exit=0``), and they agree it died, regroup and finish every step."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "continue"
+    overrides = [
+        "model=test_resnet",
+        "data=synthetic",
+        "data.num_samples=1536",
+        "data.num_val_samples=96",
+        "trainer.epochs=2",
+        "trainer.progress=false",
+        "logger=none",
+        "trainer.on_failure=continue",
+        "trainer.hang_timeout_s=5",
+        "straggler=sleep",
+        "straggler.ranks=[2]",
+        "straggler.sleep_s=0.3",
+        f"trainer.run_dir={run_dir}",
+    ]  # fmt: skip  (16 steps per epoch at 3 ranks, 24 at 2)
+    command = ["srun", "-N2", "-n3", "--kill-on-bad-exit=0", sys.executable, str(ROOT / "train.py"), *overrides]
+    out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    job_run = subprocess.Popen(command, cwd=ROOT, env=slurm, **out)
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
+    while not (metrics.exists() and len(records(read_metrics(str(metrics)), "train")) >= 5):
+        assert time.monotonic() < deadline and job_run.poll() is None, job_run.communicate()[0][-3000:]
+        time.sleep(0.2)
+    job = next(e for e in records(read_metrics(str(metrics)), "event") if e["event"] == "world")
+    assert job["launcher"] == "srun" and job["world_size"] == 3
+    squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm, capture_output=True, text=True).stdout.split()
+    pid = next(p for j in squeue if (p := _task_pid(j, 2)) is not None)
+    os.kill(pid, signal.SIGKILL)
+    output = job_run.communicate(timeout=240)[0]
+
+    rows = read_metrics(str(metrics))
+    (lost,) = [e for e in records(rows, "event") if e["event"] == "rank_lost"]
+    assert lost["ranks"] == [2] and lost["cause"] == "died" and lost["world_size"] == 2, output[-3000:]
+    (summary,) = records(rows, "summary")
+    assert summary["finished"] and summary["world_size"] == 2 and summary["lost_ranks"] == [2]
+    assert [r["step"] for r in records(rows, "train")] == list(range(summary["steps"]))
+    assert summary["replica_spread"] == 0.0
+    assert "task 2: Killed" in output and output.count("Traceback") == 0, output[-3000:]
