@@ -34,13 +34,19 @@ def main(cfg: DictConfig) -> float | None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from engine.launch import launch
+    from engine.launch import launch, slurm_task, slurm_world
 
     try:
         plain = prepare(cfg)
     except ConfigError as error:
         fail(error)
     run_dir = plain["trainer"]["run_dir"] or HydraConfig.get().runtime.output_dir
+    if slurm_task():  # a sweep point's Slurm job (hydra/launcher=slurm): each of its tasks is one worker
+        from engine.worker import run_worker
+
+        os.environ.update(slurm_world())
+        summary = run_worker(plain, run_dir).summary
+        return summary["top1"] if summary else None
     try:
         summary = launch(plain, run_dir)
     except ChildFailedError as error:

@@ -67,7 +67,7 @@ def check_override_keys(overrides: list[str], conf_dir: str) -> None:
         if o.key_or_group in groups:
             first = next(o.sweep_string_iterator()) if o.is_sweep_override() else o.value()
             choices.append(f"{o.get_key_element()}={first}")
-        elif not o.is_delete() and o.key_or_group.split(".")[0] != "hydra":
+        elif not o.is_delete() and o.key_or_group.split(".")[0].split("/")[0] != "hydra":  # (hydra/launcher=...)
             keys.append(o)
     if not keys:
         return

@@ -268,3 +268,25 @@ def test_a_task_killed_under_srun_is_survived_by_the_others_with_on_failure_cont
     assert [r["step"] for r in records(rows, "train")] == list(range(summary["steps"]))
     assert summary["replica_spread"] == 0.0
     assert "task 2: Killed" in output and output.count("Traceback") == 0, output[-3000:]
+
+
+def test_a_multirun_sends_each_sweep_point_to_slurm_as_a_job_of_its_workers(slurm, tmp_path):
+    """``train.py -m hydra/launcher=slurm sync=allreduce,localsgd``: two Slurm jobs (hydra-submitit-launcher), each
+    of ``trainer.nproc`` tasks that form its world, and the sweep's comparison table of both."""
+    sweep = tmp_path / "sweep"
+    command = [
+        sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=slurm", "sync=allreduce,localsgd", *RUN,
+        "trainer.nproc=2", f"hydra.sweep.dir={sweep}",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, env=slurm, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for job, sync in ((0, "allreduce"), (1, "localsgd")):
+        metrics = read_metrics(str(sweep / str(job) / "metrics.jsonl"))
+        (world,) = [e for e in records(metrics, "event") if e["event"] == "world"]
+        assert world["launcher"] == "srun" and world["world_size"] == 2 and set(world["hosts"].values()) <= {"n1", "n2"}
+        (summary,) = records(metrics, "summary")
+        assert summary["finished"] and summary["steps"] == 3
+        assert f"sync {sync}," in (sweep / str(job) / "train.log").read_text()
+    table = (sweep / "comparison.md").read_text()
+    assert "| 0 | allreduce |" in table and "| 1 | localsgd |" in table
+    assert len(list((sweep / ".submitit").glob("*_0"))) + len(list((sweep / ".submitit").glob("*_1"))) == 2
