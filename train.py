@@ -99,8 +99,10 @@ def slurm_worker_main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from engine.launch import slurm_task, under_external_launcher
+    from engine.launch import catch_early_signals, slurm_task, under_external_launcher
 
+    if under_external_launcher():
+        catch_early_signals()
     if slurm_task():
         slurm_worker_main(sys.argv[1:])
     elif under_external_launcher():

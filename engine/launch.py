@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import subprocess
 import uuid
 from collections.abc import Callable
@@ -27,6 +28,16 @@ def start_worker_server() -> None:
     """Start the fork server (once per process) and let it import the workers' modules in the background."""
     multiprocessing.get_context(START_METHOD).set_forkserver_preload(WORKER_PRELOAD)
     multiprocessing.forkserver.ensure_running()
+
+
+EARLY_SIGNALS: list[int] = []  # SIGTERM received before the training loop armed its stop (engine.stop)
+
+
+def catch_early_signals() -> None:
+    """From a worker's first line: a SIGTERM that comes while it imports and builds (a preemption, a time limit's
+    ``--signal`` early in a job) is kept for the training loop, which stops at its first agreed step and
+    checkpoints, instead of ending the process with nothing saved."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: EARLY_SIGNALS.append(signum))
 
 
 def under_external_launcher(env: os._Environ | dict = os.environ) -> bool:

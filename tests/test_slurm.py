@@ -154,6 +154,54 @@ def _job_state(env: dict[str, str], job: str) -> dict[str, str]:
     return dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
 
 
+def _submit(slurm: dict[str, str], run_dir: Path, sbatch: list[str], overrides: list[str]) -> str:
+    script = run_dir / "job.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH -N2 -n2 --requeue --open-mode=append\n"
+        f"srun {sys.executable} {ROOT / 'train.py'} {' '.join(overrides)}\n"
+    )
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "-o", str(run_dir / "slurm-%j.out"), *sbatch, str(script)],
+        cwd=ROOT, env=slurm, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return submitted.stdout.strip().split(";")[0]
+
+
+def _until_completed(slurm: dict[str, str], job: str, run_dir: Path, deadline: float) -> None:
+    """Wait for the job to complete, starting each requeued incarnation at once (Slurm holds one ~2 min: not
+    ours to test)."""
+    import time
+
+    held = 0
+    while (state := _job_state(slurm, job)).get("JobState") != "COMPLETED":
+        assert time.monotonic() < deadline, (run_dir / f"slurm-{job}.out").read_text()[-3000:]
+        restarts = int(state.get("Restarts", 0))
+        if state.get("JobState") == "PENDING" and restarts > held:
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True)
+            held = restarts
+        time.sleep(0.5)
+
+
+def _one_run_every_step_once(run_dir: Path, steps: int) -> list[dict]:
+    rows = read_metrics(str(run_dir / "metrics.jsonl"))
+    *stopped, finished = records(rows, "summary")
+    assert stopped and all(s["stopped_by"] == "SIGTERM" and not s["finished"] for s in stopped) and finished["finished"]
+    resumes = [e for e in records(rows, "event") if e["event"] == "resume"]
+    assert [e["restart"] for e in resumes] == list(range(1, len(stopped) + 1))
+    assert [e["step"] for e in resumes] == [s["steps"] for s in stopped]
+    assert [r["step"] for r in records(rows, "train")] == list(range(steps))  # none lost, none repeated
+    runs = {p.name.rsplit("-", 1)[-1] for p in (run_dir / "wandb").glob("offline-run-*")}
+    assert len(runs) == 1, runs  # every incarnation continued the same W&B run
+    return rows
+
+
+# 16 steps per epoch at 2 ranks; W&B offline
+JOB = [
+    "model=test_resnet", "data=synthetic", "data.num_samples=1024", "data.num_val_samples=64", "trainer.epochs=2",
+    "trainer.progress=false", "straggler=sleep", "straggler.ranks=[0,1]",
+]  # fmt: skip
+
+
 def test_a_job_signalled_mid_run_checkpoints_is_requeued_resumes_and_finishes_with_every_step_once(slurm, tmp_path):
     """A 2-node sbatch job gets SIGTERM mid-run (``scancel --signal=TERM``, as a time limit's ``--signal`` or a
     preemption would send it): every rank stops at an agreed step and checkpoints, rank 0 requeues the job, which
@@ -162,51 +210,16 @@ def test_a_job_signalled_mid_run_checkpoints_is_requeued_resumes_and_finishes_wi
 
     run_dir = tmp_path / "job"
     run_dir.mkdir()
-    overrides = [
-        "model=test_resnet",
-        "data=synthetic",
-        "data.num_samples=1024",
-        "data.num_val_samples=64",
-        "trainer.epochs=2",
-        "trainer.progress=false",
-        "straggler=sleep",
-        "straggler.ranks=[0,1]",
-        "straggler.sleep_s=0.25",
-        f"trainer.run_dir={run_dir}",
-    ]  # fmt: skip  (16 steps per epoch at 2 ranks, a quarter second each; W&B offline)
-    script = run_dir / "job.sbatch"
-    script.write_text(
-        "#!/bin/bash\n#SBATCH -N2 -n2 --requeue --open-mode=append\n"
-        f"srun {sys.executable} {ROOT / 'train.py'} {' '.join(overrides)}\n"
-    )
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", "-o", str(run_dir / "slurm-%j.out"), str(script)],
-        cwd=ROOT, env=slurm, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    job, metrics, deadline = submitted.stdout.strip().split(";")[0], run_dir / "metrics.jsonl", time.monotonic() + 240
+    job = _submit(slurm, run_dir, [], [*JOB, "straggler.sleep_s=0.25", f"trainer.run_dir={run_dir}"])
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
     while not (metrics.exists() and len(records(read_metrics(str(metrics)), "train")) >= 5):
         assert time.monotonic() < deadline, (run_dir / f"slurm-{job}.out").read_text()[-3000:]
         time.sleep(0.2)
     subprocess.run(["scancel", "--signal=TERM", job], env=slurm, check=True)
-    hurried = False
-    while (state := _job_state(slurm, job)).get("JobState") != "COMPLETED":
-        assert time.monotonic() < deadline, (run_dir / f"slurm-{job}.out").read_text()[-3000:]
-        if state.get("JobState") == "PENDING" and not hurried:  # (Slurm holds a requeued job ~2 min: not ours)
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True)
-            hurried = True
-        time.sleep(0.5)
-
-    output = (run_dir / f"slurm-{job}.out").read_text()
-    assert f"relaxsync: Slurm job {job} requeued" in output, output[-3000:]
+    _until_completed(slurm, job, run_dir, deadline)
+    assert f"relaxsync: Slurm job {job} requeued" in (run_dir / f"slurm-{job}.out").read_text()
     assert _job_state(slurm, job)["Restarts"] == "1"
-    rows = read_metrics(str(metrics))
-    stopped, finished = records(rows, "summary")
-    assert stopped["stopped_by"] == "SIGTERM" and not stopped["finished"] and finished["finished"]
-    (resume,) = [e for e in records(rows, "event") if e["event"] == "resume"]
-    assert resume["restart"] == 1 and resume["step"] == stopped["steps"]
-    assert [r["step"] for r in records(rows, "train")] == list(range(32))  # none lost, none repeated
-    runs = {p.name.rsplit("-", 1)[-1] for p in (run_dir / "wandb").glob("offline-run-*")}
-    assert len(runs) == 1, runs  # the requeued job continued the same W&B run
+    _one_run_every_step_once(run_dir, 32)
 
 
 def _task_pid(job: str, rank: int) -> int | None:
@@ -290,3 +303,32 @@ def test_a_multirun_sends_each_sweep_point_to_slurm_as_a_job_of_its_workers(slur
     table = (sweep / "comparison.md").read_text()
     assert "| 0 | allreduce |" in table and "| 1 | localsgd |" in table
     assert len(list((sweep / ".submitit").glob("*_0"))) + len(list((sweep / ".submitit").glob("*_1"))) == 2
+
+
+def test_a_sigterm_before_the_training_loop_arms_its_stop_is_acted_on_not_fatal():
+    """Slurm may signal a job step while its workers still import and build: the worker keeps the signal from its
+    first line, and the stop request, once armed, counts it as received (the run stops at its first agreed step)."""
+    import signal
+
+    import torch.distributed as dist
+
+    from distributed.membership import Membership
+    from engine import launch
+    from engine.stop import StopRequest
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        launch.catch_early_signals()
+        os.kill(os.getpid(), signal.SIGTERM)  # (would end this process under the default action)
+        assert launch.EARLY_SIGNALS == [signal.SIGTERM]
+        membership = Membership(0, 1)
+        membership._store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+        request = StopRequest(membership)
+        request.arm()
+        try:
+            assert request.signalled and request.due(step=3, step_s=0.1) is False and request.step == 3 + 2 + 4
+        finally:
+            request.disarm()
+    finally:
+        launch.EARLY_SIGNALS.clear()
+        signal.signal(signal.SIGTERM, before)
