@@ -34,7 +34,8 @@ def main(cfg: DictConfig) -> float | None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from engine.launch import launch, slurm_task, slurm_world
+    from engine.launch import launch
+    from engine.launchers import slurm_task, slurm_world
 
     try:
         plain = prepare(cfg)
@@ -65,7 +66,7 @@ def worker_main(argv: list[str]) -> Any:
     """Under torchrun/Slurm: compose the same config without Hydra's per-process output dirs, then train."""
     from hydra import compose, initialize_config_dir
 
-    from engine.launch import external_run_dir
+    from engine.launchers import external_run_dir
     from engine.worker import run_worker
 
     try:
@@ -80,7 +81,7 @@ def worker_main(argv: list[str]) -> Any:
 
 def slurm_worker_main(argv: list[str]) -> None:
     """A task ``srun`` started: one worker of the job's world (rank, size and rendezvous from Slurm's environment)."""
-    from engine.launch import slurm_world
+    from engine.launchers import slurm_world
 
     world = slurm_world()
     nproc = [a for a in argv if a.split("=")[0].lstrip("+") == "trainer.nproc"]
@@ -93,13 +94,13 @@ def slurm_worker_main(argv: list[str]) -> None:
     os.environ.update(world)
     result = worker_main(argv)
     if result.stopped_by and world["RANK"] == "0":  # every rank has checkpointed the agreed step and left the loop
-        from engine.launch import requeue_slurm_job
+        from engine.launchers import requeue_slurm_job
 
         print(f"relaxsync: {requeue_slurm_job()}", flush=True)
 
 
 if __name__ == "__main__":
-    from engine.launch import catch_early_signals, slurm_task, under_external_launcher
+    from engine.launchers import catch_early_signals, slurm_task, under_external_launcher
 
     if under_external_launcher():
         catch_early_signals()

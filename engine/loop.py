@@ -27,7 +27,7 @@ from engine.checkpoint import Checkpointer
 from engine.evaluate import Evaluation, Evaluator, reached_target
 from engine.failures import Phase
 from engine.guard import Site, build_guard, training_membership
-from engine.launch import launcher_name
+from engine.launchers import launcher_name
 from engine.metrics import NoLogger, Recorder, progress_bar, shown
 from engine.optim import build_replica
 from engine.state import LoopState, RunState

@@ -81,7 +81,7 @@ class Lease:
         return None
 
     def _write(self) -> None:
-        from engine.launch import launcher_name
+        from engine.launchers import launcher_name
 
         lease = {
             "world": self.world,

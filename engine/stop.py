@@ -19,7 +19,7 @@ import signal
 from typing import Any
 
 from distributed.membership import Membership, StoreLoop
-from engine.launch import EARLY_SIGNALS
+from engine.launchers import EARLY_SIGNALS
 
 POLL_S = 0.2
 
@@ -41,7 +41,7 @@ class StopRequest:
 
     def arm(self) -> None:
         """Catch the signal and start watching the store (call from the main thread). One received while the
-        worker started (``engine.launch.catch_early_signals``) counts as received now."""
+        worker started (``engine.launchers.catch_early_signals``) counts as received now."""
         self._previous = signal.signal(self.signum, self._on_signal)
         self.signalled = self.signalled or self.signum in EARLY_SIGNALS
         self._watcher = self.membership.every(POLL_S, self._look, "relaxsync-stop").start()

@@ -128,7 +128,7 @@ TASK = {
 
 
 def test_the_launcher_reads_a_slurm_task_and_leaves_the_batch_script_and_torchrun_alone():
-    from engine.launch import external_run_dir, launcher_name, slurm_task, under_external_launcher
+    from engine.launchers import external_run_dir, launcher_name, slurm_task, under_external_launcher
 
     batch = {k: v for k, v in TASK.items() if k != "SLURM_STEP_ID"}  # sbatch's script: no step
     assert slurm_task(TASK) and under_external_launcher(TASK) and launcher_name(TASK) == "srun"
@@ -140,7 +140,7 @@ def test_the_launcher_reads_a_slurm_task_and_leaves_the_batch_script_and_torchru
 def test_a_slurm_tasks_world_comes_from_slurm_and_its_first_node(slurm, monkeypatch):
     """The rendezvous host is the step's first node, from a compressed list (Slurm's own ``scontrol`` expands it);
     the port is the job's (the same for every task, and after a requeue) unless MASTER_PORT is set."""
-    from engine.launch import slurm_world
+    from engine.launchers import slurm_world
 
     monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
     world = slurm_world(TASK)
@@ -313,14 +313,14 @@ def test_a_sigterm_before_the_training_loop_arms_its_stop_is_acted_on_not_fatal(
     import torch.distributed as dist
 
     from distributed.membership import Membership
-    from engine import launch
+    from engine import launchers
     from engine.stop import StopRequest
 
     before = signal.getsignal(signal.SIGTERM)
     try:
-        launch.catch_early_signals()
+        launchers.catch_early_signals()
         os.kill(os.getpid(), signal.SIGTERM)  # (would end this process under the default action)
-        assert launch.EARLY_SIGNALS == [signal.SIGTERM]
+        assert launchers.EARLY_SIGNALS == [signal.SIGTERM]
         membership = Membership(0, 1)
         membership._store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
         request = StopRequest(membership)
@@ -330,5 +330,5 @@ def test_a_sigterm_before_the_training_loop_arms_its_stop_is_acted_on_not_fatal(
         finally:
             request.disarm()
     finally:
-        launch.EARLY_SIGNALS.clear()
+        launchers.EARLY_SIGNALS.clear()
         signal.signal(signal.SIGTERM, before)
