@@ -222,6 +222,24 @@ def test_a_job_signalled_mid_run_checkpoints_is_requeued_resumes_and_finishes_wi
     _one_run_every_step_once(run_dir, 32)
 
 
+@pytest.mark.full  # ~2 min; make test signals the job with scancel (above)
+def test_a_job_at_its_time_limit_stops_before_it_requeues_and_finishes_over_several_incarnations(slurm, tmp_path):
+    """``--time=1 --signal=TERM@45``: Slurm sends SIGTERM 45 s before each incarnation's limit (or earlier: its
+    events have a resolution of up to a minute, so maybe while the workers still start), the job checkpoints at an
+    agreed step, requeues itself and goes on, until it finishes with every step once; a signal that comes after the
+    last step, while the workers close, ends nothing."""
+    import time
+
+    run_dir = tmp_path / "job"
+    run_dir.mkdir()
+    sbatch = ["--time=1", "--signal=TERM@45"]
+    overrides = [*JOB, "trainer.epochs=4", "straggler.sleep_s=1.0", f"trainer.run_dir={run_dir}"]  # ~40 s of steps
+    job = _submit(slurm, run_dir, sbatch, overrides)
+    _until_completed(slurm, job, run_dir, time.monotonic() + 600)
+    assert int(_job_state(slurm, job)["Restarts"]) >= 1
+    _one_run_every_step_once(run_dir, 64)
+
+
 def _task_pid(job: str, rank: int) -> int | None:
     """The pid of task ``rank`` of Slurm job ``job`` (the local cluster runs every task on this machine)."""
     for entry in Path("/proc").iterdir():
