@@ -4,7 +4,8 @@ started local workers) stops at once with a clear error instead of writing every
 
 The lease names its world (:func:`world_id`: the Slurm job, the torchrun job, the local launch), so the same world
 coming back (an elastic restart, a requeued Slurm job, ``trainer.resume=auto`` after a crash) takes it over; a
-lease not renewed for :data:`STALE_S` is a dead world's and is taken over too."""
+lease not renewed for :data:`STALE_S`, or whose holder on this host has exited, is a dead world's and is taken
+over too."""
 
 from __future__ import annotations
 
@@ -18,6 +19,24 @@ from typing import Any
 LEASE = "run.lease"
 RENEW_S = 5.0
 STALE_S = 30.0  # six renewals missed
+
+
+def _host() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def _alive(held: dict[str, Any]) -> bool:
+    """Whether the holder may still run: on another host, until its lease goes stale; on this one, while its
+    process exists (a run resumed at once after a crash is not kept waiting)."""
+    if held.get("host") != _host():
+        return True
+    try:
+        os.kill(int(held["pid"]), 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, KeyError):
+        return True
 
 
 class RunDirInUse(RuntimeError):
@@ -59,7 +78,7 @@ class Lease:
             held = None
         except FileExistsError:
             held = self._read_settled()
-        if held is not None and held["world"] != self.world and held["age_s"] < STALE_S:
+        if held is not None and held["world"] != self.world and held["age_s"] < STALE_S and _alive(held):
             run_dir = os.path.dirname(self.path)
             raise RunDirInUse(
                 f"run dir {run_dir} is in use by another world ({held['world']}, {held['world_size']} ranks, "
@@ -87,7 +106,7 @@ class Lease:
             "world": self.world,
             "world_size": int(os.environ.get("WORLD_SIZE", 1)),
             "launcher": launcher_name(),
-            "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+            "host": _host(),
             "pid": os.getpid(),
             "since": time.time(),
         }

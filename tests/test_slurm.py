@@ -4,6 +4,7 @@ munge). Where it cannot start (not root, no packages) these tests skip and say w
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -101,19 +102,32 @@ def test_two_worlds_started_into_one_run_dir_cannot_both_write_it(tmp_path):
 
 def test_a_world_coming_back_takes_its_lease_over_and_a_stale_one_is_taken_over(tmp_path, monkeypatch):
     """The same world (a restart, a requeued job) holds its dir again at once; another world only once the lease has
-    gone unrenewed for STALE_S (its world died without releasing it)."""
+    gone unrenewed for STALE_S (its world died without releasing it), or at once when its holder on this host has
+    exited."""
     from engine import rundir
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     first = rundir.Lease(str(tmp_path), "slurm-7")
     first.take()
     first._done.set()  # (it died: no more renewals, no release)
-    rundir.Lease(str(tmp_path), "slurm-7").take()  # requeued: the same job
+    again = rundir.Lease(str(tmp_path), "slurm-7")
+    again.take()  # requeued: the same job
+    again._done.set()
     with pytest.raises(rundir.RunDirInUse, match=r"in use by another world \(slurm-7, 2 ranks"):
         rundir.Lease(str(tmp_path), "slurm-8").take()
     old = Path(tmp_path / rundir.LEASE).stat().st_mtime - rundir.STALE_S - 1
     os.utime(tmp_path / rundir.LEASE, (old, old))
-    rundir.Lease(str(tmp_path), "slurm-8").take()
+    taken = rundir.Lease(str(tmp_path), "slurm-8")
+    taken.take()
+    taken._done.set()
+    # a holder on this host that has exited (a crash, then a resume at once) is not waited for
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lease = json.loads((tmp_path / rundir.LEASE).read_text())
+    (tmp_path / rundir.LEASE).write_text(json.dumps({**lease, "pid": int(dead.stdout)}))
+    after_a_crash = rundir.Lease(str(tmp_path), "local-after-a-crash")
+    after_a_crash.take()
+    after_a_crash.release()
+    assert not (tmp_path / rundir.LEASE).exists()
 
 
 TASK = {
