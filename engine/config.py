@@ -15,6 +15,7 @@ from typing import Any
 
 from hydra.utils import get_object
 
+from engine.launchers import slurm_task, under_external_launcher
 from errors import ConfigError
 from errors import is_int as _is_int
 from errors import is_number as _is_num
@@ -105,9 +106,12 @@ def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
 
 
 def world_size_of(cfg: dict[str, Any]) -> int:
-    """The number of worker processes this run will have."""
+    """The number of worker processes this run will have: its external launcher's (torchrun's, srun's tasks), else
+    the local launcher's ``trainer.nproc``."""
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         return int(os.environ["WORLD_SIZE"])
+    if slurm_task():
+        return int(os.environ["SLURM_NTASKS"])
     return cfg["trainer"]["nproc"]
 
 
@@ -119,7 +123,7 @@ def _check_gpus(t: dict[str, Any]) -> None:
     gpus = torch.cuda.device_count()
     if t["device"] == "cuda":
         _check(gpus > 0, "trainer.device", t["device"], "auto or cpu: no CUDA device here")
-    launched_here = not ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
+    launched_here = not under_external_launcher()
     if gpus and launched_here:
         _check(
             t["nproc"] <= gpus,

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -75,29 +74,34 @@ def test_srun_forms_one_world_of_its_tasks_and_trains_as_two_local_workers_do(sl
     assert all(torch.equal(on_slurm[k], local[k]) for k in local), "srun and trainer.nproc=2 differ"
 
 
-def test_two_worlds_started_into_one_run_dir_cannot_both_write_it(tmp_path):
-    """Two launches of one command into one run dir at the same moment: one trains, the other stops before writing
-    anything, naming the world that holds the dir; every step is recorded once."""
-    run_dir, results = tmp_path / "twice", {}
-    command = [sys.executable, str(ROOT / "train.py"), *RUN, "trainer.nproc=1", f"trainer.run_dir={run_dir}"]
+def test_a_second_world_started_into_a_run_dir_in_use_stops_before_writing_anything(tmp_path):
+    """The same command launched again into a run dir while its first world trains there: the second stops at
+    once, naming the world that holds the dir; the first trains on, every step recorded once, and releases the dir
+    when it stops (SIGTERM here: it would train for 100 s)."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "twice"
+    slow = ["straggler=sleep", "straggler.ranks=[0]", "straggler.sleep_s=0.5", "trainer.max_steps=200"]
+    command = [sys.executable, str(ROOT / "train.py"), *RUN, *slow, "trainer.nproc=1", f"trainer.run_dir={run_dir}"]
     env = dict(os.environ, WANDB_SILENT="true", HYDRA_FULL_ERROR="0")
-
-    def launch(i: int) -> None:
-        results[i] = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-
-    threads = [threading.Thread(target=launch, args=(i,)) for i in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    codes = sorted(r.returncode for r in results.values())
-    assert codes == [0, 1], [r.stderr[-2000:] for r in results.values()]
-    refused = next(r for r in results.values() if r.returncode == 1)
-    assert f"run dir {run_dir} is in use by another world" in refused.stderr
-    assert "launched by local" in refused.stderr
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    first = subprocess.Popen(command, cwd=ROOT, env=env, **pipes)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "run.lease").exists() or not (run_dir / "metrics.jsonl").exists():
+        assert time.monotonic() < deadline and first.poll() is None, first.communicate()[1][-2000:]
+        time.sleep(0.1)
+    second = subprocess.run(command, cwd=ROOT, env=env, timeout=300, **pipes)
+    assert first.poll() is None, "the first world ended before the second was refused"
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert second.returncode == 1, second.stdout[-2000:]
+    assert f"run dir {run_dir} is in use by another world" in second.stderr and "launched by local" in second.stderr
     metrics = read_metrics(str(run_dir / "metrics.jsonl"))
-    assert [r["step"] for r in records(metrics, "train")] == [0, 1, 2]
-    assert len(records(metrics, "summary")) == 1 and not (run_dir / "run.lease").exists()  # released at the end
+    (summary,) = records(metrics, "summary")  # the first world's only
+    assert [r["step"] for r in records(metrics, "train")] == list(range(summary["steps"]))
+    assert not (run_dir / "run.lease").exists()  # released when it stopped
 
 
 def test_a_world_coming_back_takes_its_lease_over_and_a_stale_one_is_taken_over(tmp_path, monkeypatch):
@@ -364,3 +368,17 @@ def test_a_sigterm_before_the_training_loop_arms_its_stop_is_acted_on_not_fatal(
     finally:
         launchers.EARLY_SIGNALS.clear()
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_slurm_tasks_config_is_checked_against_the_jobs_world_not_trainer_nproc(monkeypatch):
+    """Under srun the world is the job's tasks: a straggler rank among them is valid whatever trainer.nproc says,
+    and one beyond them is refused naming the ranks there are."""
+    from conftest import plain_cfg
+
+    from errors import ConfigError
+
+    for key, value in {**TASK, "SLURM_NTASKS": "3"}.items():
+        monkeypatch.setenv(key, value)
+    plain_cfg("straggler=sleep", "straggler.ranks=[2]")  # trainer.nproc is 2
+    with pytest.raises(ConfigError, match=r"ranks in \[0, 2\]"):
+        plain_cfg("straggler=sleep", "straggler.ranks=[3]")
