@@ -35,7 +35,7 @@ def main(cfg: DictConfig) -> float | None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from engine.launch import launch
-    from engine.launchers import slurm_task, slurm_world
+    from engine.launchers import slurm_task
 
     try:
         plain = prepare(cfg)
@@ -43,10 +43,7 @@ def main(cfg: DictConfig) -> float | None:
         fail(error)
     run_dir = plain["trainer"]["run_dir"] or HydraConfig.get().runtime.output_dir
     if slurm_task():  # a sweep point's Slurm job (hydra/launcher=slurm): each of its tasks is one worker
-        from engine.worker import run_worker
-
-        os.environ.update(slurm_world())
-        summary = run_worker(plain, run_dir).summary
+        summary = slurm_worker(plain, run_dir).summary
         return summary["top1"] if summary else None
     try:
         summary = launch(plain, run_dir)
@@ -62,41 +59,55 @@ def main(cfg: DictConfig) -> float | None:
     return summary["top1"] if summary else None
 
 
-def worker_main(argv: list[str]) -> Any:
-    """Under torchrun/Slurm: compose the same config without Hydra's per-process output dirs, then train."""
+def worker_config(argv: list[str]) -> dict[str, Any]:
+    """Under torchrun/Slurm: the same config as ``main`` composes, without Hydra's per-process output dirs."""
     from hydra import compose, initialize_config_dir
-
-    from engine.launchers import external_run_dir
-    from engine.worker import run_worker
 
     try:
         check_override_keys(argv, CONF_DIR)
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
             cfg = compose(config_name="train", overrides=argv)
-        plain = prepare(cfg)
+        return prepare(cfg)
     except ConfigError as error:
         fail(error)
+
+
+def worker_main(argv: list[str]) -> Any:
+    """A worker torchrun started: train."""
+    from engine.launchers import external_run_dir
+    from engine.worker import run_worker
+
+    plain = worker_config(argv)
     return run_worker(plain, plain["trainer"]["run_dir"] or external_run_dir())
 
 
-def slurm_worker_main(argv: list[str]) -> None:
-    """A task ``srun`` started: one worker of the job's world (rank, size and rendezvous from Slurm's environment)."""
-    from engine.launchers import slurm_world
+def slurm_worker(plain: dict[str, Any], run_dir: str) -> Any:
+    """A task of a Slurm job: one worker of the job's world (rank, size and rendezvous from Slurm's environment);
+    after a stop on a signal, task 0 puts the job back in the queue, where it resumes."""
+    from engine.launchers import requeue_slurm_job, slurm_world
+    from engine.worker import run_worker
 
     world = slurm_world()
+    os.environ.update(world)
+    result = run_worker(plain, run_dir)
+    if result.stopped_by and world["RANK"] == "0":  # every rank has checkpointed the agreed step and left the loop
+        print(f"relaxsync: {requeue_slurm_job()}", flush=True)
+    return result
+
+
+def slurm_worker_main(argv: list[str]) -> None:
+    """A task ``srun`` started."""
+    from engine.launchers import external_run_dir
+
     nproc = [a for a in argv if a.split("=")[0].lstrip("+") == "trainer.nproc"]
-    if nproc and world["RANK"] == "0":
+    if nproc and os.environ["SLURM_PROCID"] == "0":
         print(
-            f"relaxsync: {nproc[0]} is ignored under srun: each of its {world['WORLD_SIZE']} tasks is one worker "
-            "(srun --ntasks-per-node sets the workers per node)",
+            f"relaxsync: {nproc[0]} is ignored under srun: each of its {os.environ['SLURM_NTASKS']} tasks is one "
+            "worker (srun --ntasks-per-node sets the workers per node)",
             file=sys.stderr,
         )
-    os.environ.update(world)
-    result = worker_main(argv)
-    if result.stopped_by and world["RANK"] == "0":  # every rank has checkpointed the agreed step and left the loop
-        from engine.launchers import requeue_slurm_job
-
-        print(f"relaxsync: {requeue_slurm_job()}", flush=True)
+    plain = worker_config(argv)
+    slurm_worker(plain, plain["trainer"]["run_dir"] or external_run_dir())
 
 
 if __name__ == "__main__":

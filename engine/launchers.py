@@ -80,9 +80,22 @@ def requeue_slurm_job(env: os._Environ | dict = os.environ) -> str:
     return f"Slurm job {job} requeued: it resumes from this checkpoint when it runs again"
 
 
+def slurm_job(env: os._Environ | dict = os.environ) -> str | None:
+    """The Slurm job whose world this process is in (a requeued job keeps its id); None outside Slurm, and for a
+    worker of torchrun started inside a Slurm job (its world is torchrun's)."""
+    return env["SLURM_JOB_ID"] if "SLURM_JOB_ID" in env and "TORCHELASTIC_RUN_ID" not in env else None
+
+
+def world_id(env: os._Environ | dict = os.environ) -> str:
+    """The identity of this process's world, the same on each of its ranks and after a restart or requeue."""
+    job = slurm_job(env)
+    return f"slurm-{job}" if job is not None else f"torchelastic-{env.get('TORCHELASTIC_RUN_ID', 'none')}"
+
+
 def external_run_dir(env: os._Environ | dict = os.environ) -> str:
     """A run dir every rank of an externally launched job agrees on without talking; under Slurm the job's, which a
     requeued job keeps."""
-    if "SLURM_JOB_ID" in env and "TORCHELASTIC_RUN_ID" not in env:
-        return os.path.join("outputs", "slurm", env["SLURM_JOB_ID"])
+    job = slurm_job(env)
+    if job is not None:
+        return os.path.join("outputs", "slurm", job)
     return os.path.join("outputs", "torchrun", env.get("TORCHELASTIC_RUN_ID") or "default")

@@ -80,7 +80,7 @@ class Trainer:
         self.evaluation = Evaluation(t, evaluator, self.run, self.recorder)
         self.guard = build_guard(t["on_failure"], self.membership, t["hang_timeout_s"], self)
         if not self.done():  # (a run resumed at its end writes nothing more)
-            self.recorder.start(self.membership.hosts, self.run.epoch + 1, self.step, resumed, launcher_name())
+            self.recorder.start(self.membership.hosts, self.run.epoch + 1, self.step, resumed)
         self.recorder.console(
             f"relaxsync: {self.world_size} x {self.device.type} ({launcher_name()}), model {cfg['model']['name']} "
             f"({self.num_params / 1e6:.2f} M params), sync {self.sync.name}, {self.loaders.steps_per_epoch} "

@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.rundir import Lease, world_id
+from engine.launchers import launcher_name, world_id
+from engine.rundir import Lease
 from errors import ConfigError, require
 
 # Train-record keys that W&B files under comm/ rather than train/ (summary totals stay under summary/).
@@ -299,12 +300,11 @@ class Recorder:
         record.update(metrics)
         return record
 
-    def start(
-        self, hosts: list[str], epoch: int, step: int, resumed: tuple[dict[str, Any], str] | None, launcher: str
-    ) -> None:
-        """The ``world`` event (``hosts``: rank -> host name; the ``launcher`` that formed it) and, for a resumed
-        run, its ``resume`` event and line."""
-        world = {"event": "world", "world_size": len(hosts), "hosts": dict(enumerate(hosts)), "launcher": launcher}
+    def start(self, hosts: list[str], epoch: int, step: int, resumed: tuple[dict[str, Any], str] | None) -> None:
+        """The ``world`` event (``hosts``: rank -> host name; the launcher that formed it) and, for a resumed run, its
+        ``resume`` event and line."""
+        world = {"event": "world", "world_size": len(hosts), "hosts": dict(enumerate(hosts))}
+        world["launcher"] = launcher_name()
         self.event(world, epoch, step)
         if resumed is not None:
             event, line = resumed

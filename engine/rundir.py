@@ -2,10 +2,10 @@
 runs, so that a second world started into the same dir (two launches of one command, a Slurm job whose tasks each
 started local workers) stops at once with a clear error instead of writing every step and checkpoint twice.
 
-The lease names its world (:func:`world_id`: the Slurm job, the torchrun job, the local launch), so the same world
-coming back (an elastic restart, a requeued Slurm job, ``trainer.resume=auto`` after a crash) takes it over; a
-lease not renewed for :data:`STALE_S`, or whose holder on this host has exited, is a dead world's and is taken
-over too."""
+The lease names its world (``engine.launchers.world_id``: the Slurm job, the torchrun job, the local launch), so
+the same world coming back (an elastic restart, a requeued Slurm job) takes it over; a lease not renewed for
+:data:`STALE_S`, or whose holder on this host has exited (``trainer.resume=auto`` right after a crash), is a dead
+world's and is taken over too."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import socket
 import threading
 import time
 from typing import Any
+
+from engine.launchers import launcher_name
 
 LEASE = "run.lease"
 RENEW_S = 5.0
@@ -41,13 +43,6 @@ def _alive(held: dict[str, Any]) -> bool:
 
 class RunDirInUse(RuntimeError):
     """Another world trains in this run dir."""
-
-
-def world_id(env: os._Environ | dict = os.environ) -> str:
-    """The identity of this process's world, the same on each of its ranks and after a restart or requeue."""
-    if "SLURM_JOB_ID" in env and "TORCHELASTIC_RUN_ID" not in env:
-        return f"slurm-{env['SLURM_JOB_ID']}"
-    return f"torchelastic-{env.get('TORCHELASTIC_RUN_ID', 'none')}"
 
 
 class Lease:
@@ -100,8 +95,6 @@ class Lease:
         return None
 
     def _write(self) -> None:
-        from engine.launchers import launcher_name
-
         lease = {
             "world": self.world,
             "world_size": int(os.environ.get("WORLD_SIZE", 1)),
