@@ -672,7 +672,10 @@ def test_a_gossip_round_in_flight_on_the_lost_ranks_group_is_dropped_when_the_ep
     node_of = {worker_of(node)[1]: node for node in nodes}
     metrics = finish([node_of[0], node_of[1]], run_dir)
     (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
-    assert lost["ranks"] == [2] and lost["redo"] == "evaluation" and lost["caught_up"] == [], lost
+    assert lost["ranks"] == [2] and lost["redo"] == "evaluation", lost
+    # (one survivor may have finished the evaluation's next collective before the other's drain failed: it is then
+    # a collective ahead and heals the other, as in any exchange; which happens depends on the machine's load)
+    assert lost["caught_up"] in ([], [0], [1]), lost
     (summary,) = records(metrics, "summary")
     assert summary["finished"] and summary["steps"] == expected_steps(lost)
     assert [r["step"] for r in records(metrics, "train")] == list(range(summary["steps"]))
