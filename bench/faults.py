@@ -3,7 +3,7 @@ SIGTERM stop, beside torchrun's own recovery (restart every worker from the last
 
     sudo make bench-faults
     python -m bench.faults [--rate 1gbit] [--algorithms allreduce,dgc,localsgd] [--at-step 20] [--hang-timeout 10]
-                           [--scenarios died,hung,sigterm,rejoin,torchrun]
+                           [--scenarios died,hung,sigterm,rejoin,join,torchrun]
 
 Three namespaces of ``bench/netns.py`` on links of ``--rate``, one ``torchrun --nproc-per-node 1`` each (as
 ``bench/network`` starts them), training ``experiment=network`` (ResNet-10-T on digits at 76 px, 15 steps per
@@ -14,6 +14,8 @@ epoch with 3 nodes) for 3 epochs. Once the run has completed ``--at-step`` steps
 - ``sigterm``: SIGTERM to every node's torchrun (a preemption); then the same command with ``trainer.resume=auto``.
 - ``rejoin``: ``torchrun --nnodes 2:3`` on two nodes; after ``--at-step`` steps the third starts with the same
   command and joins through torchrun's scale-up (the others stop at an agreed step and the world restarts at 3).
+- ``join``: ``torchrun --nnodes 2`` with ``trainer.on_failure=continue`` on two nodes; after ``--at-step`` steps the
+  third runs ``train.py trainer.join=true`` on the run dir and is admitted at an agreed step, nobody restarted.
 - ``torchrun``: today's default, ``trainer.on_failure=abort`` under ``torchrun --nnodes 2:3 --max-restarts 1``
   with a checkpoint every epoch: ``kill -9`` of node 2; the agents restart the other two workers, which resume
   from the last checkpoint.
@@ -21,7 +23,7 @@ epoch with 3 nodes) for 3 epochs. Once the run has completed ``--at-step`` steps
 Per scenario: seconds from the failure to the moment the survivors saw it (``visible_s``) and to the next
 completed step (``recovery_s``), steps trained before the failure that were trained again (``lost_steps``) and
 their time (``lost_s``), whether the run reached its end and the survivors' replica spread. Results:
-bench/results/faults.json and faults.md.
+bench/results/faults.json and faults.md (``faults-<scenarios>.json`` for some of them).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from engine.metrics import read_metrics
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 NODES = 3
 EPOCHS = 3
-SCENARIOS = ("died", "hung", "sigterm", "rejoin", "torchrun")
+SCENARIOS = ("died", "hung", "sigterm", "rejoin", "join", "torchrun")
 
 
 class Job:
@@ -226,6 +228,40 @@ def rejoin(net: EmulatedNetwork, args: argparse.Namespace, workdir: Path, port: 
         job.stop()
 
 
+def join(net: EmulatedNetwork, args: argparse.Namespace, workdir: Path, port: int) -> dict[str, Any]:
+    """Two nodes under ``torchrun --nnodes 2`` with ``trainer.on_failure=continue``; after ``--at-step`` steps the third
+    node runs ``train.py trainer.join=true`` on the run dir: admitted at an agreed step, nobody restarted."""
+    job = Job(net, workdir / "join", port, ["trainer.on_failure=continue"], str(NODES - 1), 0, nodes=NODES - 1)
+    try:
+        job.wait_steps(args.at_step)
+        started = time.time()
+        joiner = [sys.executable, *job.train, "trainer.on_failure=continue", "trainer.join=true", "trainer.nproc=1"]
+        log = open(job.run_dir / f"node{NODES - 1}.log", "a")
+        job.procs.append(net.popen(NODES - 1, joiner, cwd=ROOT, env=job.env, stdout=log, stderr=subprocess.STDOUT))
+        job.wait_for(lambda: (job.summary() or {}).get("finished"), 600, "the grown world's end")
+        metrics = job.metrics()
+        train = [r for r in metrics if r["kind"] == "train"]
+        before = [r for r in train if r["world_size"] == NODES - 1]
+        after = [r for r in train if r["world_size"] == NODES]
+        joined = next(r for r in metrics if r["kind"] == "event" and r["event"] == "rank_joined")
+        steps, step_s = [r["step"] for r in train], sorted(r["step_s"] for r in train)
+        return {
+            "scenario": "join",
+            "recovery_s": after[0]["time"] - started,  # from the third node's start to its first step
+            "paused_s": after[0]["time"] - before[-1]["time"],  # no step completed in between
+            "median_step_s": step_s[len(step_s) // 2],
+            "admission_s": joined["admission_s"],  # the members' time in the admission itself
+            "joined_at_step": joined["step"],
+            "lost_steps": len(steps) - len(set(steps)),
+            "steps_in_order": steps == list(range(len(steps))),
+            "world_sizes": [NODES - 1, job.summary()["world_size"]],
+            "replica_spread": job.summary()["replica_spread"],
+            "finished": True,
+        }
+    finally:
+        job.stop()
+
+
 def sigterm(net: EmulatedNetwork, args: argparse.Namespace, workdir: Path, port: int) -> dict[str, Any]:
     run_dir = workdir / "sigterm"
     job = Job(net, run_dir, port, [], str(NODES), 0)
@@ -307,6 +343,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         redo = r.get("redo") or {
             "sigterm": "stop at an agreed step",
             "rejoin": f"stop at an agreed step, restart at {r.get('world_sizes', ['?', '?'])[1]} nodes",
+            "join": f"admitted at an agreed step, {r.get('world_sizes', ['?', '?'])[1]} nodes, nobody restarted",
         }.get(r["scenario"], "from the checkpoint")
         lines.append(
             f"| {r['scenario']} | {num(r.get('visible_s'))} | {num(r.get('recovery_s'))} | {r['lost_steps']} | "
@@ -344,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         "hung": [("hung", lambda net, port: hung(net, args, workdir, port))],
         "sigterm": [("sigterm", lambda net, port: sigterm(net, args, workdir, port))],
         "rejoin": [("rejoin", lambda net, port: rejoin(net, args, workdir, port))],
+        "join": [("join", lambda net, port: join(net, args, workdir, port))],
         "torchrun": [("torchrun restart", lambda net, port: torchrun_restart(net, args, workdir, port))],
     }
     scenarios = [run for name in SCENARIOS if name in chosen for run in runs[name]]
@@ -376,11 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "faults.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    name = "faults.json" if set(chosen) == set(SCENARIOS) else f"faults-{'-'.join(chosen)}.json"
+    (out / name).write_text(json.dumps(result, indent=1, default=str) + "\n")
     text = table(rows, args)
-    (out / "faults.md").write_text(text + "\n")
+    (out / name.replace(".json", ".md")).write_text(text + "\n")
     print(text)
-    print(f"bench.faults: {result['wall_s'] / 60:.1f} min; results in {out}/faults.json and faults.md")
+    print(f"bench.faults: {result['wall_s'] / 60:.1f} min; results in {out}/{name} and .md")
     return 0
 
 

@@ -28,13 +28,15 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 _instances = itertools.count()  # Memberships made in this process: every rank makes them in the same order
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for a group or a store without one
+_groups = itertools.count()  # groups this process built: each needs a name of its own in torch's registry
 
 
 class LeftRun(SystemExit):
@@ -53,12 +55,13 @@ class LeftRun(SystemExit):
 
 @dataclass(frozen=True)
 class Change:
-    """One agreed change of the active ranks."""
+    """One agreed change of the active ranks: some removed, or some admitted (a join)."""
 
     generation: int  # 1 for the first change of the run
     removed: list[int]
     ranks: list[int]  # the active ranks after it
-    cause: str  # e.g. "slow"
+    cause: str  # e.g. "slow", "died", "joined"
+    added: list[int] = field(default_factory=list)  # ranks admitted (a join)
 
 
 def form_group(ranks: list[int], timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
@@ -71,6 +74,54 @@ def form_group(ranks: list[int], timeout: datetime.timedelta | None = None) -> d
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     dist.all_reduce(torch.zeros(1, device=device), group=group)
     return group
+
+
+def build_group(store: dist.Store, ranks: list[int], rank: int, backend: str, timeout: datetime.timedelta) -> Any:
+    """A process group of ``ranks`` (any ids: ranks of the default group, or of processes that joined later and are
+    in no group with the others), met through ``store`` (a prefix only they use), on ``gloo`` or ``nccl``, with
+    one collective run on it at once (:func:`form_group` says why). Built as ``new_group`` builds one, but with
+    torch's map from ids to group ranks taken from ``ranks``, so that ``send(dst=id)``, ``broadcast(src=id)``
+    and DDP work on it in every member, whether or not the member is in the default group."""
+    c10d = dist.distributed_c10d
+    index, size, name = ranks.index(rank), len(ranks), f"relaxsync-{next(_groups)}"  # (a name per process)
+    group = dist.ProcessGroup(store, index, size)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        device, kind = torch.device("cuda", torch.cuda.current_device()), dist.ProcessGroup.BackendType.NCCL
+        implementation: Any = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", store), index, size, options)
+    else:
+        device, kind = torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO
+        implementation = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), index, size, timeout)
+    group._set_default_backend(kind)
+    group._register_backend(torch.device(device.type), kind, implementation)
+    group._set_group_name(name)
+    group._set_group_desc(name)
+    mapping = {r: i for i, r in enumerate(ranks)}
+    c10d._register_pg_in_world(group, backend, store, name, backend, rank_mapping=mapping)
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    return group
+
+
+def retire(groups: list[Any]) -> None:
+    """Destroy groups replaced by a change (after any abort): each holds connections to its members, and a run
+    that changes all day would otherwise keep one set per change open."""
+    for group in groups:
+        if group in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(group)
+
+
+def run_store(timeout: datetime.timedelta | None = None) -> dist.Store:
+    """A connection of this process's own to the run's c10d store, at ``MASTER_ADDR:MASTER_PORT`` (with
+    ``timeout``, default: the default group's store's); the default group's store itself where those are not
+    set."""
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if dist.is_initialized():
+        default = dist.distributed_c10d._get_default_store()
+        if not (address and port):
+            return default
+        timeout = timeout or default.timeout
+    return dist.TCPStore(address, int(port), is_master=False, timeout=timeout or DEFAULT_TIMEOUT)
 
 
 def host_names() -> list[str]:
@@ -90,6 +141,8 @@ class Membership:
         group: dist.ProcessGroup | None = None,
         hosts: list[str] | None = None,
         timeout: datetime.timedelta | None = None,
+        backend: str | None = None,
+        prefix: str | None = None,
     ):
         self.rank = rank
         self.timeout = timeout  # of every group formed after a change (None: the default group's)
@@ -99,11 +152,15 @@ class Membership:
         self.hosts = hosts if hosts is not None else [""] * world_size  # rank -> host name, for the record
         self.generation = 0  # how many changes so far
         self.changes: list[Change] = []  # every change of this run seen by this rank, oldest first
+        # "gloo" or "nccl": groups are built on the run's store (build_group), and processes that join later can be
+        # in them; None: torch's new_group, over ranks of the default group only.
+        self.backend = backend
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self._prefix = f"relaxsync/restart{restart}/membership{next(_instances)}"
+        self.prefix = prefix or f"relaxsync/restart{restart}/membership{next(_instances)}"
         self._agreements = 0
         self._store: Any = None
         self._subgroups: list[dist.ProcessGroup] = []  # groups of some active ranks, replaced with the active group
+        self._formed: dict[tuple[int, tuple[int, ...]], int] = {}  # groups built per (generation, ranks)
 
     @property
     def size(self) -> int:
@@ -115,9 +172,9 @@ class Membership:
         return self.ranks.index(self.rank)
 
     @property
-    def logging_rank(self) -> int:
-        """The lowest active rank writes logs, metrics and checkpoints."""
-        return min(self.ranks)
+    def logging_rank(self) -> int | None:
+        """The lowest active rank writes logs, metrics and checkpoints (None on a process not yet admitted)."""
+        return min(self.ranks, default=None)
 
     @property
     def is_logging_rank(self) -> bool:
@@ -126,14 +183,16 @@ class Membership:
     # ---- agreement -------------------------------------------------------------------------------------------
     @property
     def store(self) -> dist.Store:
-        """The c10d store every rank of the run reaches (torchrun's agent holds it)."""
+        """The c10d store every rank of the run reaches, and a process that joins it later: a connection of this
+        process's own to ``MASTER_ADDR:MASTER_PORT`` (torchrun's agent, the local launcher's, task 0 under srun);
+        without those, the default group's store."""
         if self._store is None:
-            self._store = dist.distributed_c10d._get_default_store()
+            self._store = run_store()
         return self._store
 
     def key(self, name: str) -> str:
         """A store key of this run (and restart) named ``name``."""
-        return f"{self._prefix}/{name}"
+        return f"{self.prefix}/{name}"
 
     def agree(self, topic: str, proposal: Any) -> Any:
         """Collective over the active ranks, in call order: every rank proposes a JSON-able value and every
@@ -175,19 +234,67 @@ class Membership:
         # The change holds from here on, whether or not the group forms: if a survivor is lost while it forms, the
         # next agreement starts from these ranks on every survivor, and the change is followed with the next one.
         self.changes.append(Change(self.generation, removed, survivors, agreed["cause"]))
+        replaced = [
+            g for g in replaced if g is not dist.group.WORLD
+        ]  # (never the default group: no way to form one again)
         if abort_replaced:
             for group in replaced:
-                if group is not dist.group.WORLD:  # (aborting it would leave no way to form a group again)
-                    dist.distributed_c10d._abort_process_group(group)
-        self.group = form_group(survivors, self.timeout)
+                dist.distributed_c10d._abort_process_group(group)
+        self.group = self.form(survivors)
+        retire(replaced)
         return self.changes[-1]
 
     def subgroup(self, ranks: list[int]) -> dist.ProcessGroup:
         """A group of some of the active ranks (only they call it), for an algorithm's own use until the next
         change, which replaces it with the active group (and aborts it after a loss)."""
-        group = form_group(ranks, self.timeout)
+        group = self.form(ranks)
         self._subgroups.append(group)
         return group
+
+    def form(self, ranks: list[int]) -> dist.ProcessGroup:
+        """Collective over ``ranks`` (only they call it): their process group, after :func:`form_group`'s first
+        collective. Built on the run's store when the membership has a backend (processes that joined can be in
+        it), through torch's ``new_group`` otherwise."""
+        if self.backend is None:
+            return form_group(ranks, self.timeout)
+        formed = (self.generation, tuple(ranks))
+        self._formed[formed] = n = self._formed.get(formed, 0) + 1
+        members = "-".join(map(str, ranks)) if len(ranks) <= 16 else f"{ranks[0]}..{ranks[-1]}x{len(ranks)}"
+        store = dist.PrefixStore(self.key(f"group/{self.generation}/{members}/{n}/"), self.store)
+        return build_group(store, ranks, self.rank, self.backend, self.timeout or DEFAULT_TIMEOUT)
+
+    def admit(self, added: list[int], hosts: dict[int, str]) -> Change:
+        """Carry out an agreed admission of the ranks ``added`` (processes that asked to join, each with its host):
+        a collective over the active ranks and the admitted ones (which :meth:`enter` first). Their group replaces
+        the active one; nobody leaves, nothing is aborted."""
+        self.generation += 1
+        self.ranks = sorted(set(self.ranks) | set(added))
+        for r in added:
+            self.hosts.extend([""] * (r + 1 - len(self.hosts)))
+            self.hosts[r] = hosts.get(r, "")
+        self.changes.append(Change(self.generation, [], list(self.ranks), "joined", sorted(added)))
+        replaced = [g for g in (self.group, *self._subgroups) if g is not None and g is not dist.group.WORLD]
+        self.group, self._subgroups = None, []
+        self.group = self.form(self.ranks)
+        retire(replaced)
+        return self.changes[-1]
+
+    def enter(self, record: dict[str, Any]) -> None:
+        """On a process admitted into a running world: take the members' view (``record``, written by them with
+        :meth:`view`) as it is just before the admission, which :meth:`admit` then carries out here too."""
+        self.ranks, self.generation = list(record["ranks"]), record["generation"]
+        self.initial_size, self.hosts = record["initial_size"], list(record["hosts"])
+        self._agreements = record["agreements"]
+
+    def view(self) -> dict[str, Any]:
+        """What a process admitted now needs to agree with the members from then on (:meth:`enter`)."""
+        return {
+            "ranks": self.ranks,
+            "generation": self.generation,
+            "initial_size": self.initial_size,
+            "hosts": self.hosts,
+            "agreements": self._agreements,
+        }
 
     def every(self, period_s: float, tick: Callable[[Any], bool], name: str) -> StoreLoop:
         """A background thread (not started) calling ``tick(store)`` every ``period_s`` on a store connection of

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -107,7 +108,13 @@ def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
 
 def world_size_of(cfg: dict[str, Any]) -> int:
     """The number of worker processes this run will have: its external launcher's (torchrun's, srun's tasks), else
-    the local launcher's ``trainer.nproc``."""
+    the local launcher's ``trainer.nproc``. A process that joins a running world (``trainer.join``) is checked against
+    that world's first size, the one its ranks and batch were set for."""
+    t = cfg["trainer"]
+    joined = os.path.join(t.get("run_dir") or "", "join.json")
+    if t.get("join") and os.path.isfile(joined):
+        with open(joined) as f:
+            return int(json.load(f)["initial_size"])
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     if slurm_task():
@@ -167,6 +174,20 @@ def validate(cfg: dict[str, Any]) -> None:
     )
     mr = t["max_restarts"]
     _check(_is_int(mr) and mr >= 0, "trainer.max_restarts", mr, "an integer >= 0")
+    join = t["join"]
+    _check(isinstance(join, bool), "trainer.join", join, "true or false")
+    if join:
+        why = "true only with trainer.on_failure=continue (the run it joins must survive changes of its world)"
+        _check(t["on_failure"] == "continue", "trainer.join", join, why)
+        run_dir = t["run_dir"]
+        joinable = isinstance(run_dir, str) and os.path.isfile(os.path.join(run_dir, "join.json"))
+        _check(
+            joinable,
+            "trainer.run_dir",
+            run_dir,
+            "the run dir of a run training with trainer.on_failure=continue "
+            "(it holds join.json while it trains): trainer.join=true joins that run",
+        )
     resume = t["resume"]
     if resume not in (None, "auto"):
         _check(

@@ -50,11 +50,13 @@ DIED = re.compile(r"connection (closed|reset) by peer|broken pipe|remote process
 
 class Phase(Enum):
     """The parts of the loop a collective can fail in, in the order the loop goes through them at one value of the
-    step counter: the evaluation, checkpoint and start of an epoch that follow step s - 1, then step s up to the
-    optimizer step and its exchange after it; at the end of the run the replicas' spread and the exit barrier."""
+    step counter: the evaluation, checkpoint, admission of joining processes and start of an epoch that follow step
+    s - 1, then step s up to the optimizer step and its exchange after it; at the end of the run the replicas'
+    spread and the exit barrier."""
 
     EVALUATION = "evaluation"
     CHECKPOINT = "checkpoint"
+    JOIN = "join"
     EPOCH_START = "epoch start"
     STEP = "step"
     EXCHANGE = "exchange"

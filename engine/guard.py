@@ -27,10 +27,11 @@ from enum import Enum
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from algorithms.base import SyncReport
 from distributed.comm import tensor_bytes
-from distributed.membership import Membership, form_group, host_names
+from distributed.membership import Membership, host_names
 from engine.failures import Failures, Phase, Position, may_be_a_loss
 
 HISTORY = 4096  # records kept for a peer that falls behind by a collective and must write them
@@ -240,8 +241,9 @@ def training_membership(on_failure: str, hang_timeout_s: float, rank: int, world
     if on_failure != "continue":
         return Membership(rank, world_size, hosts=hosts)
     deadline = datetime.timedelta(seconds=hang_timeout_s)
-    group = form_group(list(range(world_size)), deadline)
-    return Membership(rank, world_size, group, hosts, timeout=deadline)
+    membership = Membership(rank, world_size, hosts=hosts, timeout=deadline, backend=dist.get_backend())
+    membership.group = membership.form(list(range(world_size)))  # (one that processes joining later can be in)
+    return membership
 
 
 def build_guard(on_failure: str, membership: Membership, hang_timeout_s: float, host: Host) -> NoGuard | SurvivingGuard:

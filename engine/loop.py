@@ -8,6 +8,7 @@ depends on which sync algorithm runs: ``algorithms/base.py`` states the contract
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import time
@@ -22,14 +23,16 @@ from torch import nn
 from algorithms.base import RebuildTrainLoader, ScaleLR, StepResult, SyncContext, SyncReport
 from data.common import Loaders, build_data
 from distributed.comm import Communicator
+from distributed.membership import retire
 from distributed.world import init_distributed, select_device
 from engine.checkpoint import Checkpointer
 from engine.evaluate import Evaluation, Evaluator, reached_target
 from engine.failures import Phase
 from engine.guard import Site, build_guard, training_membership
+from engine.joins import Joins, joining_membership
 from engine.launchers import launcher_name
 from engine.metrics import NoLogger, Recorder, progress_bar, shown
-from engine.optim import build_replica
+from engine.optim import build_replica, build_schedule
 from engine.state import LoopState, RunState
 from engine.stop import StopRequest
 
@@ -42,14 +45,19 @@ class Trainer:
         torch.set_num_threads(t["threads"])
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.device = select_device(t["device"], int(os.environ.get("LOCAL_RANK", 0)))
-        if not dist.is_initialized():
+        self.joining = bool(t.get("join"))  # a process that joins a running world (engine/joins.py)
+        if self.joining:
+            self.membership = joining_membership(run_dir, self.device, t["hang_timeout_s"], t["timeout_s"])
+            self.rank, self.world_size = -1, self.membership.initial_size  # (its id comes with its ticket)
+        elif not dist.is_initialized():
             init_distributed(
                 "nccl" if self.device.type == "cuda" else "gloo", t["timeout_s"], t["on_failure"] == "continue"
             )
-        self.membership = training_membership(t["on_failure"], t["hang_timeout_s"], self.rank, self.world_size)
+        if not self.joining:
+            self.membership = training_membership(t["on_failure"], t["hang_timeout_s"], self.rank, self.world_size)
         self.comm = Communicator(self.membership)
         torch.manual_seed(t["seed"])  # the same on every rank: identical initial replicas (without DDP too)
-        data = build_data(cfg["data"])
+        self.data = data = build_data(cfg["data"])
         self.batch_size = cfg["data"]["batch_size"]
         self.raw_model, self.optimizer, self.amp, self.schedule, self.num_params, self.max_steps = build_replica(
             cfg, data, self.device, self.world_size
@@ -60,7 +68,7 @@ class Trainer:
         every, every_steps = t["checkpoint_every"], t["checkpoint_every_steps"]
         self.checkpointer = Checkpointer(run_dir, self.rank, every, t["resume"], every_steps, config=cfg)
         self.stop = StopRequest(self.membership)
-        state, resumed = self.checkpointer.load(), None
+        state, resumed = None if self.joining else self.checkpointer.load(), None
         if state is not None:
             self._load_replica(state)
             self.run.resume(state, len(data.train), self.world_size, self.batch_size)
@@ -69,17 +77,19 @@ class Trainer:
             # it was set in; a resumed world has all its processes, at whatever size, and the LR its size gives.
             self.schedule.scale = 1.0
         self.sync = instantiate(cfg["sync"])  # the one place the engine reads the sync section
-        self.sync.setup(self.raw_model, self.optimizer, SyncContext(self.comm, self.membership, self.device))
-        if state is not None:
-            self.checkpointer.restore_sync(self.sync, state, self.device)
         self.loop = LoopState()
-        self.loaders.build(self.membership.size, self.membership.index)
+        if not self.joining:  # (a joining process sets up its algorithm and loaders once admitted: reshape)
+            self.sync.setup(self.raw_model, self.optimizer, SyncContext(self.comm, self.membership, self.device))
+            if state is not None:
+                self.checkpointer.restore_sync(self.sync, state, self.device)
+            self.loaders.build(self.membership.size, self.membership.index)
         logger = instantiate(cfg["logger"]) if not self.done() else NoLogger()  # nothing to train, nothing to log
         self.recorder = Recorder(run_dir, cfg, self.sync.name, self.membership, logger)
         evaluator = Evaluator(self.comm, self.amp.autocast, self.device, data.num_classes)
         self.evaluation = Evaluation(t, evaluator, self.run, self.recorder)
         self.guard = build_guard(t["on_failure"], self.membership, t["hang_timeout_s"], self)
-        if not self.done():  # (a run resumed at its end writes nothing more)
+        self.joins = Joins(self.membership, t["hang_timeout_s"], self) if t["on_failure"] == "continue" else None
+        if not self.done() and not self.joining:  # (a run resumed at its end writes nothing more)
             self.recorder.start(self.membership.hosts, self.run.epoch + 1, self.step, resumed)
         self.recorder.console(
             f"relaxsync: {self.world_size} x {self.device.type} ({launcher_name()}), model {cfg['model']['name']} "
@@ -131,11 +141,18 @@ class Trainer:
         self.recorder.count_wire_bytes(self.cfg["trainer"].get("netdev"))
         train_start = time.perf_counter()
         self.stop.arm()
-        self.guard.start()
         try:
+            if self.joining:
+                self.joins.enter()  # (starts the guard once this process has its id)
+            else:
+                self.guard.start()
+            if self.joins is not None:
+                self.joins.start(self.step)
             self.guard.repeat(self.train_epochs)  # (a rank healed from a peer enters again where the peer is)
         finally:
             self.stop.disarm()
+            if self.joins is not None:
+                self.joins.close()  # (a process still waiting to join is told)
         return self.finish(time.perf_counter() - train_start)
 
     def train_epochs(self) -> None:
@@ -150,6 +167,8 @@ class Trainer:
             else:
                 epoch = self.run.epoch + 1  # the epoch in progress, from 1
                 finished = self.train_epoch(epoch)
+                if finished is None:  # a join resharded the rest of the epoch: go on in it as a resumed run does
+                    continue
                 if finished:
                     self.run.finish_epoch(epoch)
                 self.loop.epochs_this_run += 1
@@ -163,9 +182,12 @@ class Trainer:
             if stop or self.done():
                 return
 
-    def train_epoch(self, epoch: int) -> bool:
-        """Train epoch ``epoch`` (from 1; or its rest, after a mid-epoch resume); return whether it ran to its end."""
+    def train_epoch(self, epoch: int) -> bool | None:
+        """Train epoch ``epoch`` (from 1; or its rest, after a mid-epoch resume); return whether it ran to its end
+        (None: processes joined mid-epoch, and the rest of it is sharded again)."""
         t = self.cfg["trainer"]
+        if self.joins is not None:
+            self.joins.admit_if_due(epoch, Site.NONE)
         start = self.guard.run(Phase.EPOCH_START, lambda: self.sync.on_epoch_start(epoch), epoch)
         if start is not None:  # (None on a rank healed from a peer already past the start of this epoch)
             self.apply(start, epoch, at_epoch_start=True)  # may change ranks and loaders
@@ -189,6 +211,8 @@ class Trainer:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['samples_per_s']:.0f}", refresh=False)
                 if self.between_steps(epoch, record["step_s"]):
                     break
+                if self.joins is not None and self.joins.admit_if_due(epoch, Site.BETWEEN_STEPS):
+                    return None
                 tick = time.perf_counter()
         return self.run.step_in_epoch >= self.loaders.steps_per_epoch
 
@@ -270,6 +294,25 @@ class Trainer:
                 event = {"event": "lr_adjusted", "scale": request.scale, "policy": request.policy}
                 self.recorder.event({**event, "world_size": m.size}, epoch, self.step)
 
+    # ---- joins (engine/joins.py) ------------------------------------------------------------------------------
+    def reshape(self, state: dict[str, Any], own: dict[str, Any] | None) -> None:
+        """Go on as a run resumed from ``state`` (a checkpoint's content) at the membership's new size: the position
+        at that size, its LR, the sync algorithm built for it with the shared state and this rank's ``own`` (None:
+        a new rank's starts fresh), the rest of the epoch sharded over it."""
+        m = self.membership
+        self.run.resume(state, len(self.data.train), m.size, self.batch_size)
+        self.schedule = build_schedule(self.cfg, len(self.data.train), m.size)
+        self.sync = None  # (the old algorithm's hooks on the model, DDP's, go with it before the new one's)
+        gc.collect()
+        self.sync = instantiate(self.cfg["sync"])
+        self.sync.setup(self.raw_model, self.optimizer, SyncContext(self.comm, m, self.device))
+        self.sync.load_state_dict(state["sync"])
+        if own is not None:
+            self.sync.load_local_state_dict(own)
+        self.loaders.build(m.size, m.index)
+        self.loop = LoopState(epochs_this_run=self.loop.epochs_this_run, changes_applied=len(m.changes))
+        self.recorder.elect()
+
     def settle(self) -> None:
         """Complete the exchanges in flight and bring the replicas into agreement (``drain()``, ``before_eval()``),
         once per step: a checkpoint right after an evaluation reuses its agreement."""
@@ -319,3 +362,5 @@ class Trainer:
         self.recorder.close(left)
         if not left and dist.is_initialized():
             (dist.distributed_c10d._abort_process_group if self.guard.lost_ranks else dist.destroy_process_group)()
+        elif not left and self.membership.group is not None:  # a process that joined: its groups are its own
+            retire([self.membership.group])

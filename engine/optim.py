@@ -98,6 +98,16 @@ class Replica(NamedTuple):
     max_steps: float  # trainer.max_steps, or inf
 
 
+def build_schedule(cfg: dict[str, Any], num_train: int, world_size: int) -> LRSchedule:
+    """The LR schedule of a world of ``world_size`` ranks over the run's length (what a run started or resumed at that
+    size gets; a world that grows by a join takes it too)."""
+    t, batch = cfg["trainer"], cfg["data"]["batch_size"]
+    max_steps = t["max_steps"] if t["max_steps"] is not None else float("inf")
+    steps = steps_per_epoch(num_train, world_size, batch)
+    base_lr = effective_lr(cfg["optimizer"], cfg["schedule"], batch * world_size)
+    return LRSchedule(cfg["schedule"], base_lr, min(t["epochs"], max_steps / steps))
+
+
 def build_replica(cfg: dict[str, Any], data: DataBundle, device: torch.device, world_size: int) -> Replica:
     """The model for ``data``, its optimizer through the AMP backend, and the LR schedule over the run's length."""
     t, batch = cfg["trainer"], cfg["data"]["batch_size"]
@@ -110,9 +120,8 @@ def build_replica(cfg: dict[str, Any], data: DataBundle, device: torch.device, w
             f"lower it"
         )
     max_steps = t["max_steps"] if t["max_steps"] is not None else float("inf")
-    base_lr = effective_lr(cfg["optimizer"], cfg["schedule"], batch * world_size)
-    optimizer = build_optimizer(model, cfg["optimizer"], base_lr)
-    schedule = LRSchedule(cfg["schedule"], base_lr, min(t["epochs"], max_steps / steps))
+    schedule = build_schedule(cfg, len(data.train), world_size)
+    optimizer = build_optimizer(model, cfg["optimizer"], schedule.base_lr)
     amp = instantiate(cfg["amp"])
     model, optimizer = amp.setup(model, optimizer, device)
     return Replica(model, optimizer, amp, schedule, num_params, max_steps)

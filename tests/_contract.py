@@ -76,3 +76,30 @@ def run_all(root: Path) -> Path:
 def case_dir(root: Path, case: tuple) -> Path:
     """Where ``case`` ran: ``full/`` and ``resumed/`` inside."""
     return root / f"case{CASES.index(case)}"
+
+
+# ---- a join ------------------------------------------------------------------------------------------------------
+# Every option alone, and relaxed sync around the one that keeps replicas identical and the one that does not.
+JOIN_CASES = [(None, o, v) for o, v in ALONE] + [("relaxed", "allreduce", []), ("relaxed", "sgp", [])]
+JOIN_IDS = [_id(c) for c in JOIN_CASES]
+# 2 processes x 6 steps per epoch x 2 epochs; a third joins at step 2: the rest of epoch 1 and epoch 2 are sharded
+# over 3 (2 and 4 steps).
+JOIN_OVERRIDES = ["data.num_samples=192", "trainer.on_failure=continue", "trainer.hang_timeout_s=30"]
+JOIN_LAST_STEP = 8
+
+
+def join_overrides(case: tuple) -> list[str]:
+    return [*overrides(case), *JOIN_OVERRIDES]
+
+
+def run_joins(root: Path) -> Path:
+    """Every join case, joined mid-run and resumed from the admission's checkpoint at 3, in one launch of three
+    processes (``_workers.joined_and_resumed``)."""
+    from _workers import joined_and_resumed
+
+    from engine.launch import launch
+
+    cases = {f"case{i}": plain_cfg(*join_overrides(case)) for i, case in enumerate(JOIN_CASES)}
+    (root / "cases.json").write_text(json.dumps({"cases": cases}))
+    launch(plain_cfg(*join_overrides(JOIN_CASES[0]), "trainer.nproc=3"), str(root), entrypoint=joined_and_resumed)
+    return root

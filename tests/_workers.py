@@ -389,3 +389,68 @@ ENV_PROBES = ("RELAXSYNC_PROBE_CHANGED", "RELAXSYNC_PROBE_REMOVED", "RANK", "LOC
 def report_environment(cfg: dict, run_dir: str) -> dict:
     """What a local worker sees of the environment."""
     return {key: os.environ.get(key) for key in ENV_PROBES}
+
+
+@record
+def joined_and_resumed(cfg: dict, run_dir: str) -> None:
+    """Three processes; for every case in ``<run_dir>/cases.json``: ranks 0 and 1 train in ``<name>/joined`` and
+    admit the third process (``trainer.join=true``) mid-run, keeping a copy of the checkpoint they write at the
+    admission step; then all three resume that copy in ``<name>/resumed`` as one world of 3. Each run's default
+    group is made here on a store prefix of its own (two worlds of different sizes in one launch)."""
+    import itertools
+    import json
+    import shutil
+    import time
+
+    import distributed.membership as membership_module
+    from engine.joins import JoinFile
+    from engine.loop import Trainer
+
+    with open(os.path.join(run_dir, "cases.json")) as f:
+        cases = json.load(f)["cases"]
+    rank = int(os.environ["RANK"])
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+
+    def world(name: str, size: int) -> None:
+        os.environ["WORLD_SIZE"] = str(size)
+        dist.init_process_group("gloo", store=dist.PrefixStore(name, base), rank=rank, world_size=size)
+
+    def all_three(name: str) -> None:
+        base.add(name, 1)
+        while int(base.add(name, 0)) < 3:
+            time.sleep(0.05)
+
+    for i, (name, case) in enumerate(cases.items()):
+        joined, resumed = os.path.join(run_dir, name, "joined"), os.path.join(run_dir, name, "resumed")
+        kept = os.path.join(resumed, "checkpoints")
+        os.makedirs(kept, exist_ok=True)
+        membership_module._instances = itertools.count(1000 * i)  # (every process: the same membership keys)
+        if rank < 2:
+            world(f"{name}/joined", 2)
+            trainer = Trainer({**case, "trainer": {**case["trainer"], "run_dir": joined}}, joined)
+            admit = trainer.joins.admit
+
+            def admit_after_a_checkpoint(decision, epoch, trainer=trainer, admit=admit, kept=kept):
+                trainer.save_checkpoint(epoch)
+                written = os.path.dirname(trainer.checkpointer.path)
+                for file in (f"sync_rank{rank}.pt", "last.pt" if rank == 0 else None):
+                    if file and os.path.exists(os.path.join(written, file)):  # (no file: no state of its own)
+                        shutil.copy(os.path.join(written, file), kept)
+                admit(decision, epoch)
+
+            trainer.joins.admit = admit_after_a_checkpoint
+            if rank == 0:
+                JoinFile.of(trainer.membership).write(joined)
+            tickets = trainer.membership.key("join/tickets")
+            while int(trainer.membership.store.add(tickets, 0)) < 1:  # the third one asked: admitted at step 2
+                time.sleep(0.05)
+        else:
+            while not os.path.exists(JoinFile.path(joined)):
+                time.sleep(0.05)
+            trainer = Trainer({**case, "trainer": {**case["trainer"], "join": True, "run_dir": joined}}, joined)
+        _fit(trainer)
+        all_three(f"{name}/joined/done")
+        membership_module._instances = itertools.count(1000 * i + 500)
+        world(f"{name}/resumed", 3)
+        _fit(Trainer({**case, "trainer": {**case["trainer"], "resume": "auto", "run_dir": resumed}}, resumed))
+        all_three(f"{name}/resumed/done")

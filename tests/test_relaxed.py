@@ -202,7 +202,7 @@ def test_membership_agreement_adopts_the_first_proposal_and_a_removed_rank_leave
     store = dist.HashStore()
     first, second = Membership(rank=2, world_size=3), Membership(rank=0, world_size=3)
     for m in (first, second):
-        m._store, m._prefix = store, "test"
+        m._store, m.prefix = store, "test"
     assert first.agree("verdict", {"evicted": [2]}) == {"evicted": [2]}
     assert second.agree("verdict", {"evicted": []}) == {"evicted": [2]}  # divergent, yet the same verdict
     with pytest.raises(LeftRun) as left:

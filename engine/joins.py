@@ -1,0 +1,334 @@
+"""Joins without a restart (``trainer.on_failure: continue``): a process that asks to join a running world is
+admitted at a step every member agrees on; nobody stops but for the admission itself.
+
+torchrun admits a node by re-rendezvous, which stops and restarts every worker of the world. Here the world does
+not change at all: the training group is ours (``Membership.form``, on the run's c10d store), so a process outside
+the default group can be in the next one, as torchft's replicas join at its next quorum.
+
+1. The run's logging rank publishes where its store is, ``<run dir>/join.json`` (:class:`JoinFile`).
+2. A process started with ``trainer.join=true`` builds everything it trains with, then takes a ticket from the
+   store (its id in the run: the initial world size plus the ticket, less one, never a rank used before) and
+   waits (:class:`Request`).
+3. Every member's watcher thread (:class:`Admissions`) sees the ticket within :data:`POLL_S` and promises, for
+   the next admission, a step it will not pass until the admission step is agreed: its own step plus
+   :data:`MARGIN`. The admission step is the largest promise, so no member has passed it when it learns it: a
+   rank that reaches its own promise first (gossip and local SGD do not move in lockstep) waits there for the
+   others' promises, a fraction of a second.
+4. At that step (between two steps, or at the start of the next epoch when it is an epoch's last) the members
+   settle the replicas as for a checkpoint, write the ticket's admission (their view of the membership) and
+   form the new group with the joining process; the lowest member sends it the trainer's state; and every one
+   of them goes on as a run resumed from that checkpoint at the new world size would: the sync algorithm built
+   for the new world from the shared state (each member keeping its own per-rank state, the new one starting
+   fresh), the rest of the epoch sharded over the new world, the LR of its size.
+
+A join is a membership change like a loss: a member lost in the middle of one is survived as anywhere else
+(``engine/failures.py``), and the admission is redone by who is left.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from distributed.membership import LeftRun, Membership, StoreLoop
+from engine.failures import Phase
+from engine.guard import Site, _on_cpu
+
+POLL_S = 0.2  # how often a member looks for tickets
+MARGIN = 2  # steps a member may still train after it promised, before it waits for the admission step
+JOIN_FILE = "join.json"
+
+
+@dataclass(frozen=True)
+class JoinFile:
+    """Where a run's store is, for a process that joins it: ``<run dir>/join.json``."""
+
+    address: str
+    port: int
+    prefix: str  # the membership's keys
+    initial_size: int
+    backend: str
+
+    @staticmethod
+    def path(run_dir: str) -> str:
+        return os.path.join(run_dir, JOIN_FILE)
+
+    def write(self, run_dir: str) -> None:
+        """Atomically (a joining process never reads half a file)."""
+        path = self.path(run_dir)
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(self.__dict__, f)
+        os.replace(f"{path}.tmp", path)
+
+    @classmethod
+    def read(cls, run_dir: str) -> JoinFile:
+        with open(cls.path(run_dir)) as f:
+            return cls(**json.load(f))
+
+    @classmethod
+    def of(cls, membership: Membership) -> JoinFile | None:
+        """The file for ``membership``'s run; None where its store cannot be reached from elsewhere."""
+        address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not (address and port and membership.backend):
+            return None
+        return cls(address, int(port), membership.prefix, membership.initial_size, membership.backend)
+
+
+def joining_membership(run_dir: str, device: Any, hang_timeout_s: float, timeout_s: float) -> Membership:
+    """The membership of a process that joins the run in ``run_dir``: no ranks yet, the run's store and keys."""
+    try:
+        where = JoinFile.read(run_dir)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"trainer.join=true: no {JoinFile.path(run_dir)}: the run to join writes it once it trains "
+            f"(trainer.on_failure=continue); give its run dir with trainer.run_dir"
+        ) from None
+    deadline = datetime.timedelta(seconds=hang_timeout_s)
+    membership = Membership(-1, 0, hosts=[], timeout=deadline, backend=where.backend, prefix=where.prefix)
+    membership.initial_size, membership.group = where.initial_size, None
+    timeout = datetime.timedelta(seconds=timeout_s)
+    membership._store = dist.TCPStore(where.address, where.port, is_master=False, timeout=timeout)
+    del device
+    return membership
+
+
+def ticket_rank(initial_size: int, ticket: int) -> int:
+    """The id in the run of the process that took ``ticket`` (from 1): never one a rank had before."""
+    return initial_size + ticket - 1
+
+
+class Admissions:
+    """The members' side: tickets seen, promises made, the admission step agreed (:meth:`due`)."""
+
+    def __init__(self, membership: Membership, wait_s: float):
+        self.membership, self.wait_s = membership, wait_s
+        self.admitted = 0  # tickets admitted so far (1..admitted)
+        self.rounds = 0  # admissions carried out so far
+        self.decision: dict[str, Any] | None = None  # the next admission, once agreed
+        self._lock = threading.Lock()
+        self._at = 0  # steps completed, as the main thread last said
+        self._promise: int | None = None  # the step this rank will not pass before the next admission's is agreed
+        self._watcher: StoreLoop | None = None
+
+    def key(self, name: str) -> str:
+        return self.membership.key(f"join/{name}")
+
+    def start(self, step: int, run_dir: str = "") -> None:
+        """Watch for tickets from ``step`` on; the logging rank publishes the run's :class:`JoinFile`."""
+        self._at = step
+        where = JoinFile.of(self.membership)
+        if where is not None and self.membership.is_logging_rank:
+            where.write(run_dir)
+        self._watcher = self.membership.every(POLL_S, self._look, "relaxsync-joins").start()
+
+    def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+
+    def close(self) -> None:
+        """The run has ended: processes still waiting for a ticket's admission give up."""
+        self.stop()
+        if self.membership.is_logging_rank:
+            self.membership.store.set(self.key("closed"), "1")
+
+    def _look(self, store: Any) -> bool:
+        """In the watcher thread: a ticket not yet admitted makes this rank promise (once per admission)."""
+        if self._promise is not None or int(store.add(self.key("tickets"), 0)) <= self.admitted:
+            return False
+        with self._lock:
+            self._promise = promise = self._at + MARGIN
+            round_ = self.rounds + 1
+        store.set(self.key(f"{round_}/promise/{self.membership.rank}"), str(promise))
+        return False
+
+    def due(self, step: int) -> dict[str, Any] | None:
+        """At a step boundary, ``step`` steps completed: the admission to carry out now, if one is agreed for this
+        step. Waits (at most ``wait_s``) only at this rank's own promise, for the other members' promises."""
+        with self._lock:
+            self._at, promise, round_ = step, self._promise, self.rounds + 1
+        if promise is None:
+            return None
+        m = self.membership
+        if self.decision is None:
+            keys = [self.key(f"{round_}/promise/{r}") for r in m.ranks]
+            if step < promise and not m.store.check(keys):
+                return None
+            m.store.wait(keys, datetime.timedelta(seconds=self.wait_s))
+            at = max(int(value) for value in m.store.multi_get(keys))
+            tickets = int(m.store.add(self.key("tickets"), 0))
+            self.decision = m.propose(f"join/{round_}/decision", {"at": at, "tickets": tickets})
+        if step < self.decision["at"]:
+            return None
+        if step > self.decision["at"]:
+            raise RuntimeError(f"rank {m.rank} is at step {step}, past the agreed admission step {self.decision['at']}")
+        return self.decision
+
+    def joiners(self, decision: dict[str, Any]) -> dict[int, str]:
+        """The ids admitted by ``decision``, each with its host (written with its ticket)."""
+        m, first = self.membership, self.admitted + 1
+        ids = {t: ticket_rank(m.initial_size, t) for t in range(first, decision["tickets"] + 1)}
+        return {r: m.store.get(self.key(f"ticket/{t}/host")).decode() for t, r in ids.items()}
+
+    def announce(self, decision: dict[str, Any], joiners: dict[int, str]) -> dict[str, Any]:
+        """Write each ticket's admission: the members' view just before it (the first writer's, for all)."""
+        m = self.membership
+        record = {**m.view(), "added": joiners, "at": decision["at"], "rounds": self.rounds + 1}
+        record["admitted"] = decision["tickets"]
+        for t in range(self.admitted + 1, decision["tickets"] + 1):
+            record = json.loads(m.store.compare_set(self.key(f"ticket/{t}/admission"), "", json.dumps(record)))
+        return record
+
+    def done(self, record: dict[str, Any]) -> None:
+        """An admission carried out (on the members, and on the process admitted by it, which watches from now)."""
+        with self._lock:
+            self.admitted, self.rounds = record["admitted"], record["rounds"]
+            self._promise, self.decision = None, None
+
+
+class Request:
+    """The joining process's side: its ticket, then the admission that names it."""
+
+    def __init__(self, membership: Membership, patience_s: float | None = None):
+        self.membership, self.patience_s = membership, patience_s
+        self.ticket: int | None = None
+        self.asked_at: float | None = None
+
+    def key(self, name: str) -> str:
+        return self.membership.key(f"join/{name}")
+
+    def ask(self) -> int:
+        """Take a ticket; returns this process's id in the run."""
+        m = self.membership
+        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        self.ticket = int(m.store.add(self.key("tickets"), 1))
+        m.store.set(self.key(f"ticket/{self.ticket}/host"), host)
+        self.asked_at = time.time()
+        return ticket_rank(m.initial_size, self.ticket)
+
+    def admission(self) -> dict[str, Any] | None:
+        """Wait for the admission that names this ticket; None if the run ended first."""
+        m, key = self.membership, self.key(f"ticket/{self.ticket}/admission")
+        while True:
+            if m.store.check([key]):
+                return json.loads(m.store.get(key))
+            if m.store.check([self.key("closed")]):
+                return None
+            if self.patience_s is not None and time.time() - self.asked_at > self.patience_s:
+                raise TimeoutError(f"ticket {self.ticket} was not admitted within {self.patience_s:.0f} s")
+            time.sleep(POLL_S / 2)
+
+
+class Host(Protocol):
+    """What the joins component uses of the trainer."""
+
+    membership: Membership
+    run: Any  # engine.state.RunState
+    recorder: Any  # engine.metrics.Recorder
+    guard: Any  # engine.guard.SurvivingGuard
+    sync: Any
+    loaders: Any  # data.common.Loaders
+    checkpointer: Any
+    rank: int
+    run_dir: str
+
+    def settle(self) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def _load_replica(self, state: dict[str, Any]) -> None: ...
+    def reshape(self, state: dict[str, Any], own: dict[str, Any] | None) -> None: ...
+
+
+class Joins:
+    """The trainer's component for joins: on the members, an admission at each agreed step; on a process started
+    with ``trainer.join=true``, its way in. Every part runs under the failure guard (:class:`Phase` ``JOIN``)."""
+
+    def __init__(self, membership: Membership, hang_timeout_s: float, host: Host):
+        self.admissions, self.host = Admissions(membership, hang_timeout_s), host
+
+    def start(self, step: int) -> None:
+        self.admissions.start(step, self.host.run_dir)
+
+    def close(self) -> None:
+        self.admissions.close()
+
+    def admit_if_due(self, epoch: int, site: Site) -> bool:
+        """Admit the processes that asked to join if the members agreed on this step; between steps only while the
+        epoch has steps left (at its end, the next epoch's start admits them). Returns whether it did."""
+        host = self.host
+        if site is Site.BETWEEN_STEPS and host.run.step_in_epoch >= host.loaders.steps_per_epoch:
+            return False
+        decision = host.guard.run(Phase.JOIN, partial(self.admissions.due, host.run.step), epoch, site)
+        if decision is None:
+            return False
+        host.guard.run(Phase.JOIN, partial(self.admit, decision, epoch), epoch, site)
+        return True
+
+    def admit(self, decision: dict[str, Any], epoch: int) -> None:
+        """On the members, at the agreed step: settle as for a checkpoint, admit the joining processes into a new
+        group, send them the state (the lowest member) and go on as resumed at the new size (``reshape``). Redone
+        after a loss in it: those admitted already are not admitted again."""
+        host, admissions, clock = self.host, self.admissions, [time.perf_counter()]
+        m = host.membership
+
+        def lap() -> float:
+            clock.append(time.perf_counter())
+            return clock[-1] - clock[-2]
+
+        host.settle()
+        state = _on_cpu(host.state_dict())  # (before the admission: a checkpoint's content at this step)
+        settle_s = lap()
+        joiners = admissions.joiners(decision)
+        record = admissions.announce(decision, joiners)
+        if not any(change.added == sorted(joiners) for change in m.changes):  # (redone: admitted once is enough)
+            m.admit(list(joiners), joiners)
+        group_s = lap()
+        if m.rank == _source(m, joiners):
+            for r in joiners:
+                if r in m.ranks:
+                    dist.send_object_list([state], dst=r, group=m.group)
+        send_s = lap()
+        host.reshape(state, own=host.sync.local_state_dict())
+        admissions.done(record)
+        event = {"event": "rank_joined", "ranks": sorted(joiners), "hosts": joiners, "world_size": m.size}
+        took = {"settle_s": settle_s, "group_s": group_s, "send_s": send_s, "reshape_s": lap()}
+        host.recorder.event({**event, "admission_s": clock[-1] - clock[0], **took}, epoch, host.run.step)
+
+    def enter(self) -> None:
+        """On a joining process: take a ticket, wait to be admitted, take the state from the lowest member and go on
+        as the members do. Leaves the run (``LeftRun``) if it ends first."""
+        host = self.host
+        request = Request(host.membership)
+        host.rank = host.membership.rank = host.checkpointer.rank = request.ask()
+        host.guard.start()  # beating from now: once admitted, the members watch this process like any other
+        print(f"relaxsync: rank {host.rank} asked to join the run in {host.run_dir}", flush=True)
+        record = request.admission()
+        if record is None:
+            raise LeftRun(host.rank, "was not admitted: the run ended first")
+        host.run.step = record["at"]  # (where the members are: a loss in the admission finds it there)
+        host.guard.run(Phase.JOIN, partial(self._enter, record), host.run.epoch + 1, Site.BETWEEN_STEPS)
+
+    def _enter(self, record: dict[str, Any]) -> None:
+        host, m = self.host, self.host.membership
+        joiners = {int(r): name for r, name in record["added"].items()}
+        if m.rank not in m.ranks:
+            m.enter(record)
+            m.admit(list(joiners), joiners)
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=_source(m, joiners), group=m.group)
+        host._load_replica(box[0])
+        host.reshape(box[0], own=None)
+        self.admissions.done(record)
+
+
+def _source(membership: Membership, joiners: dict[int, str]) -> int:
+    """Who sends the state to the processes admitted: the lowest member (after any loss in the admission)."""
+    return min(r for r in membership.ranks if r not in joiners)

@@ -1,0 +1,125 @@
+"""A process joins a running world without stopping it (``engine/joins.py``): for every sync option, a world of 2
+that admits a third process mid-epoch ends exactly where the same world checkpointed at the admission step and
+resumed at 3 ends (parameters, optimizer, shared and per-rank sync state, the last evaluation). All cases run in
+one launch of three processes (``_workers.joined_and_resumed``)."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from _contract import JOIN_CASES, JOIN_IDS, JOIN_LAST_STEP, run_joins
+from conftest import FAST, ROOT, records
+from test_contract import _assert_same, _load
+from test_faults import cli, env, finish, start_nodes, tail, wait_for_train_steps
+
+from engine.joins import JoinFile
+from engine.metrics import read_metrics
+
+
+@pytest.fixture(scope="module")
+def join_runs(tmp_path_factory) -> Path:
+    return run_joins(tmp_path_factory.mktemp("joins"))
+
+
+@pytest.mark.parametrize("case", JOIN_CASES, ids=JOIN_IDS)
+def test_a_join_ends_where_a_resume_at_the_new_size_ends(join_runs, case):
+    where = join_runs / f"case{JOIN_CASES.index(case)}"
+    joined, resumed = where / "joined", where / "resumed"
+    joined_metrics, resumed_metrics = (
+        read_metrics(str(joined / "metrics.jsonl")),
+        read_metrics(str(resumed / "metrics.jsonl")),
+    )
+    [join] = [r for r in records(joined_metrics, "event") if r["event"] == "rank_joined"]
+    assert join["ranks"] == [2] and join["world_size"] == 3
+    at = join["step"]
+    assert 0 < at < JOIN_LAST_STEP
+    assert [r["step"] for r in records(joined_metrics, "train")] == list(range(JOIN_LAST_STEP))  # each step once
+    assert [r["world_size"] for r in records(joined_metrics, "train")] == [2] * at + [3] * (JOIN_LAST_STEP - at)
+    assert [r["step"] for r in records(resumed_metrics, "train")] == list(range(at, JOIN_LAST_STEP))
+    a, b = _load(joined / "checkpoints" / "last.pt"), _load(resumed / "checkpoints" / "last.pt")
+    assert a["step"] == b["step"] == JOIN_LAST_STEP and a["world_size"] == b["world_size"] == 3
+    for key in ("model", "optimizer", "sync", "schedule", "amp"):
+        _assert_same(a[key], b[key], key)
+    own = sorted(p.name for p in (joined / "checkpoints").glob("sync_rank*.pt"))
+    assert own == sorted(p.name for p in (resumed / "checkpoints").glob("sync_rank*.pt"))
+    for name in own:  # every rank's own state, the new one's (started fresh in both) included
+        _assert_same(_load(joined / "checkpoints" / name), _load(resumed / "checkpoints" / name), name)
+    clocks = ("time", "eval_s")
+    last_evals = (records(joined_metrics, "eval")[-1], records(resumed_metrics, "eval")[-1])
+    _assert_same(*[{k: v for k, v in r.items() if k not in clocks} for r in last_evals], "eval")
+
+
+# ---- joins of real processes, started as a user would -----------------------------------------------------------
+MEMBERS = [
+    *FAST,
+    "data.num_samples=3072",
+    "data.num_val_samples=96",
+    "trainer.epochs=2",
+    "trainer.on_failure=continue",
+    "trainer.hang_timeout_s=10",
+    "straggler=sleep",
+    "straggler.ranks=[0,1]",
+    "straggler.sleep_s=0.1",
+]  # fmt: skip  (48 steps per epoch at 2 ranks, 32 at 3; a tenth of a second each, for a joiner that starts in ~10 s)
+
+
+def _join_file(run_dir: Path, timeout: float = 120) -> JoinFile:
+    deadline = time.monotonic() + timeout
+    while not Path(JoinFile.path(str(run_dir))).exists():
+        assert time.monotonic() < deadline, "no join.json:\n" + tail(run_dir)
+        time.sleep(0.1)
+    return JoinFile.read(str(run_dir))
+
+
+def test_a_process_that_joins_is_admitted_without_stopping_the_others(tmp_path):
+    """Two torchrun nodes train; ``train.py trainer.join=true`` on the run dir joins them mid-epoch: the members are
+    never restarted (one world, no resume), the joiner takes the state from rank 0 and trains as rank 2, the rest of
+    the epoch is sharded over 3, every step is recorded once, and all three end with the same replica."""
+    run_dir = tmp_path / "run"
+    nodes = start_nodes(2, run_dir, *MEMBERS)
+    _join_file(run_dir)
+    wait_for_train_steps(run_dir, 4)
+    log = open(tmp_path / "run-node2.log", "w")  # (read by tail() and finish() with the nodes' logs)
+    joiner = subprocess.Popen(
+        cli(*MEMBERS, "trainer.join=true", f"trainer.run_dir={run_dir}", "trainer.nproc=1"),
+        cwd=ROOT, env=dict(env(), OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    metrics = finish(nodes, run_dir, timeout=300)
+    assert joiner.wait(timeout=120) == 0, tail(run_dir)
+    events = records(metrics, "event")
+    assert [e["event"] for e in events].count("world") == 1 and "resume" not in [e["event"] for e in events]
+    [join] = [e for e in events if e["event"] == "rank_joined"]
+    assert join["ranks"] == [2] and join["world_size"] == 3
+    at, steps = join["step"], records(metrics, "train")
+    assert 4 <= at < 48, at  # mid-epoch 1
+    expected = at + (3072 - 64 * at) // 3 // 32 + 32  # the rest of epoch 1 at 3 ranks, then 32 steps
+    assert [r["step"] for r in steps] == list(range(expected))  # every step once, in order
+    assert [r["world_size"] for r in steps] == [2] * at + [3] * (expected - at)
+    summary = records(metrics, "summary")[-1]
+    assert summary["finished"] and summary["world_size"] == 3 and summary["replica_spread"] == 0.0
+
+
+def test_a_process_that_asks_to_join_and_dies_before_its_admission_is_given_up(tmp_path):
+    """A ticket taken by a process that never comes (it died after asking): the members admit it at the agreed step,
+    find it silent when the new group does not form, remove it as lost and go on at 2; nothing is trained twice."""
+    run_dir = tmp_path / "run"
+    nodes = start_nodes(2, run_dir, *MEMBERS)
+    where = _join_file(run_dir)
+    wait_for_train_steps(run_dir, 4)
+    store = dist.TCPStore(where.address, where.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    ticket = int(store.add(f"{where.prefix}/join/tickets", 1))
+    store.set(f"{where.prefix}/join/ticket/{ticket}/host", "gone")
+    metrics = finish(nodes, run_dir, timeout=300)
+    events = records(metrics, "event")
+    [join] = [e for e in events if e["event"] == "rank_joined"]
+    [lost] = [e for e in events if e["event"] == "rank_lost"]
+    assert join["ranks"] == lost["ranks"] == [2] and lost["world_size"] == 2 and lost["cause"] == "hung"
+    steps = records(metrics, "train")
+    assert [r["step"] for r in steps] == list(range(len(steps))) and len(steps) == 96  # every step once, at 2
+    summary = records(metrics, "summary")[-1]
+    assert summary["finished"] and summary["world_size"] == 2 and summary["replica_spread"] == 0.0
