@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-full test-gpu chaos lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-tta clean
+.PHONY: help venv train test test-full test-gpu chaos lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-soak bench-tta clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -46,7 +46,7 @@ format: $(STAMP) ## ruff format + autofix
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-tta ## run every benchmark (results: docs/benchmarks/)
+bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-soak bench-tta ## run every benchmark (results: docs/benchmarks/)
 
 bench-overhead: $(STAMP) ## our allreduce loop vs a plain torch DDP loop (samples/s ratio)
 	$(PY) -m bench.overhead $(ARGS)
@@ -74,6 +74,9 @@ bench-network: $(STAMP) ## every algorithm on emulated slow links, multi-node to
 
 bench-faults: $(STAMP) ## (root) a dead node, a hung one, SIGTERM, a node joining, vs torchrun's restart: recovery s, lost steps
 	$(PY) -m bench.faults $(ARGS)
+
+bench-soak: $(STAMP) ## (~1 h) failures that keep coming (kill, hang, a join in each one's place) until 1000 are survived
+	$(PY) -m bench.soak $(ARGS)
 
 bench-tta: $(STAMP) ## (root) time to a target top-1 per sync option on slow and uneven emulated clusters (~32 min)
 	$(PY) -m bench.tta $(ARGS)
