@@ -89,16 +89,16 @@ class AllReduce(SyncAlgorithm):
 
     def on_membership_change(self, change: Change) -> SyncReport:
         # DDP is bound to one process group: wrap the same module again over the new group (the survivors'
-        # parameters are identical, so the constructor's broadcast changes nothing).
+        # parameters are identical, so the constructor's broadcast is left out: it would change nothing).
         for p in self.model.parameters():
             p.grad = None  # the old reducer's bucket views
         self.hook_state.works = []  # (issued on the replaced group: dropped with it)
         # (None, not del: a rewrap cut short by another loss leaves no DDP, and the next change wraps again)
         self.ddp = None
-        self.module = self._wrap(self.model)
+        self.module = self._wrap(self.model, replicas_agree=True)
         return super().on_membership_change(change)
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
+    def _wrap(self, model: nn.Module, replicas_agree: bool = False) -> nn.Module:
         ctx = self.ctx
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # Buffers (BN statistics) are averaged before eval and checkpoints instead of being broadcast from
@@ -110,6 +110,7 @@ class AllReduce(SyncAlgorithm):
             bucket_cap_mb=self.bucket_cap_mb,
             **NO_FORWARD_BUFFER_SYNC,
             gradient_as_bucket_view=True,
+            init_sync=not (replicas_agree or ctx.replicas_agree),  # (a broadcast of the whole model otherwise)
         )
         self.ddp.register_comm_hook(self.hook_state, self.comm_hook)
         return self.ddp

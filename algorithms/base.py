@@ -103,6 +103,9 @@ class SyncContext:
     comm: Communicator  # counted collectives on the active group
     membership: Membership
     device: torch.device
+    # The replicas are known to be identical when the algorithm is set up (the world grew by a join, after a
+    # checkpoint's agreement): a wrapper need not broadcast them again.
+    replicas_agree: bool = False
 
 
 # ---- what a hook hands back ---------------------------------------------------------------------------------

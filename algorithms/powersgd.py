@@ -208,8 +208,8 @@ class PowerSGD(AllReduce):
         self.psgd.process_group = self.ctx.comm.group
         return super().on_membership_change(change)
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        ddp = super()._wrap(model)
+    def _wrap(self, model: nn.Module, replicas_agree: bool = False) -> nn.Module:
+        ddp = super()._wrap(model, replicas_agree)
         # DDP lays its buckets out anew after its first step, in the order gradients became ready, and the matrix
         # products of PowerSGD round by where a tensor lies in memory: a process resumed from a checkpoint would
         # take its first step on another layout than the uninterrupted run took it. Fix the layout now, in

@@ -64,6 +64,7 @@ class Job:
         restarts: int,
         nodes: int | None = None,
         environ: dict[str, str] | None = None,
+        epochs: int = EPOCHS,
     ):
         """Start torchrun on the first ``nodes`` nodes (all by default); :meth:`start` starts another later."""
         self.net, self.run_dir, self.port, self.procs = net, run_dir, port, []
@@ -71,7 +72,7 @@ class Job:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.env = {**node_env(), **(environ or {})}
         self.train = [
-            "train.py", "experiment=network", "logger=none", "trainer.progress=false", f"trainer.epochs={EPOCHS}",
+            "train.py", "experiment=network", "logger=none", "trainer.progress=false", f"trainer.epochs={epochs}",
             "trainer.eval_every=1", f"trainer.run_dir={run_dir}", *overrides,
         ]  # fmt: skip
         for node in range(net.nodes if nodes is None else nodes):
@@ -231,11 +232,20 @@ def rejoin(net: EmulatedNetwork, args: argparse.Namespace, workdir: Path, port: 
 def join(net: EmulatedNetwork, args: argparse.Namespace, workdir: Path, port: int) -> dict[str, Any]:
     """Two nodes under ``torchrun --nnodes 2`` with ``trainer.on_failure=continue``; after ``--at-step`` steps the third
     node runs ``train.py trainer.join=true`` on the run dir: admitted at an agreed step, nobody restarted."""
-    job = Job(net, workdir / "join", port, ["trainer.on_failure=continue"], str(NODES - 1), 0, nodes=NODES - 1)
+    # Two epochs more than the others: the joining process starts its interpreter and builds its model while two
+    # nodes train on two cores (~1 min here), where a node of a cluster has cores of its own.
+    overrides = ["trainer.on_failure=continue"]
+    job = Job(net, workdir / "join", port, overrides, str(NODES - 1), 0, nodes=NODES - 1, epochs=EPOCHS + 2)
     try:
         job.wait_steps(args.at_step)
         started = time.time()
-        joiner = [sys.executable, *job.train, "trainer.on_failure=continue", "trainer.join=true", "trainer.nproc=1"]
+        # A torchrun of its own on the third node (a rendezvous of one, on its address), with trainer.join=true.
+        alone = [
+            TORCHRUN, "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "joiner",
+            "--rdzv-endpoint", f"{net.address(NODES - 1)}:{port + 1}", "--local-addr", net.address(NODES - 1),
+            "--rdzv-conf", "is_host=1",
+        ]  # fmt: skip
+        joiner = [*alone, *job.train, "trainer.on_failure=continue", "trainer.join=true"]
         log = open(job.run_dir / f"node{NODES - 1}.log", "a")
         job.procs.append(net.popen(NODES - 1, joiner, cwd=ROOT, env=job.env, stdout=log, stderr=subprocess.STDOUT))
         job.wait_for(lambda: (job.summary() or {}).get("finished"), 600, "the grown world's end")
@@ -243,14 +253,17 @@ def join(net: EmulatedNetwork, args: argparse.Namespace, workdir: Path, port: in
         train = [r for r in metrics if r["kind"] == "train"]
         before = [r for r in train if r["world_size"] == NODES - 1]
         after = [r for r in train if r["world_size"] == NODES]
-        joined = next(r for r in metrics if r["kind"] == "event" and r["event"] == "rank_joined")
+        joined = next((r for r in metrics if r["kind"] == "event" and r["event"] == "rank_joined"), None)
+        if joined is None:
+            raise RuntimeError(f"the run ended without admitting the third node\n{job.tail()}")
         steps, step_s = [r["step"] for r in train], sorted(r["step_s"] for r in train)
         return {
             "scenario": "join",
             "recovery_s": after[0]["time"] - started,  # from the third node's start to its first step
             "paused_s": after[0]["time"] - before[-1]["time"],  # no step completed in between
             "median_step_s": step_s[len(step_s) // 2],
-            "admission_s": joined["admission_s"],  # the members' time in the admission itself
+            "admission_s": joined["admission_s"],  # the members' time in the admission itself, and its parts
+            "admission": {k: joined.get(k) for k in ("settle_s", "group_s", "send_s", "reshape_s")},
             "joined_at_step": joined["step"],
             "lost_steps": len(steps) - len(set(steps)),
             "steps_in_order": steps == list(range(len(steps))),
@@ -338,7 +351,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['scenario']} | failed: {r['error'].splitlines()[0][:100]} |||||||")
+            lines.append(f"| {r['scenario']} | failed: {(r['error'].splitlines() or [''])[0][:100]} |||||||")
             continue
         redo = r.get("redo") or {
             "sigterm": "stop at an agreed step",

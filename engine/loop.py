@@ -8,7 +8,6 @@ depends on which sync algorithm runs: ``algorithms/base.py`` states the contract
 
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 import time
@@ -303,9 +302,8 @@ class Trainer:
         self.run.resume(state, len(self.data.train), m.size, self.batch_size)
         self.schedule = build_schedule(self.cfg, len(self.data.train), m.size)
         self.sync = None  # (the old algorithm's hooks on the model, DDP's, go with it before the new one's)
-        gc.collect()
         self.sync = instantiate(self.cfg["sync"])
-        self.sync.setup(self.raw_model, self.optimizer, SyncContext(self.comm, m, self.device))
+        self.sync.setup(self.raw_model, self.optimizer, SyncContext(self.comm, m, self.device, replicas_agree=True))
         self.sync.load_state_dict(state["sync"])
         if own is not None:
             self.sync.load_local_state_dict(own)
