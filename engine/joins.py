@@ -83,7 +83,7 @@ class JoinFile:
         return cls(address, int(port), membership.prefix, membership.initial_size, membership.backend)
 
 
-def joining_membership(run_dir: str, device: Any, hang_timeout_s: float, timeout_s: float) -> Membership:
+def joining_membership(run_dir: str, hang_timeout_s: float, timeout_s: float) -> Membership:
     """The membership of a process that joins the run in ``run_dir``: no ranks yet, the run's store and keys."""
     try:
         where = JoinFile.read(run_dir)
@@ -97,7 +97,6 @@ def joining_membership(run_dir: str, device: Any, hang_timeout_s: float, timeout
     membership.initial_size, membership.group = where.initial_size, None
     timeout = datetime.timedelta(seconds=timeout_s)
     membership._store = dist.TCPStore(where.address, where.port, is_master=False, timeout=timeout)
-    del device
     return membership
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from algorithms.base import RebuildTrainLoader, ScaleLR, StepResult, SyncContext, SyncReport
 from data.common import Loaders, build_data
 from distributed.comm import Communicator
-from distributed.membership import retire
+from distributed.membership import Membership, retire
 from distributed.world import init_distributed, select_device
 from engine.checkpoint import Checkpointer
 from engine.evaluate import Evaluation, Evaluator, reached_target
@@ -44,16 +44,8 @@ class Trainer:
         torch.set_num_threads(t["threads"])
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.device = select_device(t["device"], int(os.environ.get("LOCAL_RANK", 0)))
-        self.joining = bool(t.get("join"))  # a process that joins a running world (engine/joins.py)
-        if self.joining:
-            self.membership = joining_membership(run_dir, self.device, t["hang_timeout_s"], t["timeout_s"])
-            self.rank, self.world_size = -1, self.membership.initial_size  # (its id comes with its ticket)
-        elif not dist.is_initialized():
-            init_distributed(
-                "nccl" if self.device.type == "cuda" else "gloo", t["timeout_s"], t["on_failure"] == "continue"
-            )
-        if not self.joining:
-            self.membership = training_membership(t["on_failure"], t["hang_timeout_s"], self.rank, self.world_size)
+        self.joining = bool(t["join"])  # a process that joins a running world (engine/joins.py)
+        self.membership = self._membership(t)
         self.comm = Communicator(self.membership)
         torch.manual_seed(t["seed"])  # the same on every rank: identical initial replicas (without DDP too)
         self.data = data = build_data(cfg["data"])
@@ -95,6 +87,18 @@ class Trainer:
             f"({self.num_params / 1e6:.2f} M params), sync {self.sync.name}, {self.loaders.steps_per_epoch} "
             f"steps/epoch, global batch {self.batch_size * self.world_size}, run dir {shown(run_dir)}"
         )
+
+    def _membership(self, t: dict[str, Any]) -> Membership:
+        """The active ranks and their group; on a process that joins, the run's store and no ranks yet (its id
+        comes with its ticket)."""
+        if self.joining:
+            membership = joining_membership(self.run_dir, t["hang_timeout_s"], t["timeout_s"])
+            self.rank, self.world_size = -1, membership.initial_size
+            return membership
+        if not dist.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            init_distributed(backend, t["timeout_s"], t["on_failure"] == "continue")
+        return training_membership(t["on_failure"], t["hang_timeout_s"], self.rank, self.world_size)
 
     @property
     def step(self) -> int:

@@ -110,6 +110,13 @@ BAD = [
     (["trainer.hang_timeout_s=3600"], "trainer.hang_timeout_s", "3600", "below trainer.timeout_s (1800)"),
     (["straggler=sleep", "straggler.ranks=[5]"], "straggler.ranks", "[5]", "ranks in [0, 1]"),
     (["straggler=sleep", "straggler.slowdown=0.5"], "straggler.slowdown", "0.5", "a factor >= 1"),
+    (["trainer.join=true"], "trainer.join", "True", "only with trainer.on_failure=continue"),
+    (
+        ["trainer.join=true", "trainer.on_failure=continue", "trainer.run_dir=/no/run"],
+        "trainer.run_dir",
+        "/no/run",
+        "it holds join.json while it trains",
+    ),
 ]
 
 

@@ -1,0 +1,340 @@
+"""A soak: failures that keep coming, survived one after another, until ``--failures`` in all.
+
+    make bench-soak                                   # python -m bench.soak; about an hour for 1000 failures
+    python -m bench.soak [--failures 1000] [--syncs allreduce,localsgd,dgc,sgp,diloco] [--nodes 3] [--epochs 100]
+
+One run per sync option (in turn, each taking its share of the failures) under ``trainer.on_failure=continue``, on
+this machine: two ``torchrun`` nodes start it (node 0 hosts the c10d store, as torchrun's first node does, and is
+never failed), and the driver keeps the world at ``--nodes`` ranks with processes that join the running world
+(``trainer.join=true``, forked from a server that has imported the engine once, as the local launcher's workers
+are). Three steps after each change, a member other than rank 0 fails: ``kill -9`` (a node gone) or, every
+``--hang-every``-th time, SIGSTOP (a node that hangs; SIGCONT once the others gave it up, and it exits by itself).
+A process joins in its place at once. Every failure and every join is waited for in the run's records before the
+next one comes.
+
+Reported per run and in all: failures injected and survived (a ``rank_lost`` event names the rank), joins, steps
+recorded more than once or never (lost steps), the members' standstill per failure and per join (the gap between
+the last step completed before it and the first completed after, less the run's median step: median, p95, max),
+the final top-1 against an undisturbed run of the same config and length at ``--nodes`` ranks, and the wall time.
+Results: bench/results/soak.json and soak.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS, ROOT, machine, median
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+SYNCS = ("allreduce", "localsgd", "dgc", "sgp", "diloco")
+EXTRA = {"localsgd": ["sync.k_steps=4"], "diloco": ["sync.inner_steps=8"], "dgc": ["sync.min_compress_numel=1024"]}
+
+
+def overrides(sync: str, args: argparse.Namespace) -> list[str]:
+    return [
+        "model=test_resnet", "data=digits", "logger=none", "trainer.progress=false", f"trainer.epochs={args.epochs}",
+        "trainer.on_failure=continue", f"trainer.hang_timeout_s={args.hang_timeout}", "trainer.checkpoint_every=0",
+        f"sync={sync}", *EXTRA.get(sync, []),
+    ]  # fmt: skip
+
+
+def _joiner(cfg: dict[str, Any], run_dir: str, log: str) -> None:
+    """A process that joins the run (forked from the warm server): one worker, the run's store in join.json."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1")
+    from engine.worker import run_worker
+
+    run_worker(cfg, run_dir)
+
+
+class Run:
+    """One soak run: its processes, its records."""
+
+    def __init__(self, sync: str, args: argparse.Namespace, workdir: Path, port: int):
+        self.sync, self.args, self.run_dir = sync, args, workdir / sync
+        self.run_dir.mkdir(parents=True)
+        self.overrides = [*overrides(sync, args), f"trainer.run_dir={self.run_dir}"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            env.pop(key, None)
+        self.nodes = []
+        for node in range(2):
+            launcher = [
+                TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "0", "--monitor-interval", "0.5",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", sync,
+                "--rdzv-conf", f"is_host={int(node == 0)}",
+            ]  # fmt: skip
+            log = open(self.run_dir / f"node{node}.log", "w")
+            self.nodes.append(
+                subprocess.Popen(
+                    [*launcher, "train.py", *self.overrides], cwd=ROOT, env=env, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True,
+                )
+            )  # fmt: skip
+        self.members: dict[int, int] = {}  # rank -> pid of its worker (rank 0 aside)
+        self._records: list[dict[str, Any]] = []
+        self._read = 0  # bytes of metrics.jsonl read
+        self.injected: list[dict[str, Any]] = []  # every failure and join, with its wall time
+        self.joiners: list[Any] = []
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """The run's records so far, read from where the last call stopped (polled every 50 ms for an hour)."""
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            with open(path) as f:
+                f.seek(self._read)
+                text = f.read()
+            complete = text[: text.rfind("\n") + 1]  # (a line being written is read next time)
+            self._read += len(complete.encode())
+            self._records += [json.loads(line) for line in complete.splitlines() if line.strip()]
+        return self._records
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        return [r for r in self.metrics() if r["kind"] == "event" and r["event"] == kind]
+
+    def finished(self) -> bool:
+        return any(r["kind"] == "summary" and r.get("finished") for r in self.metrics())
+
+    def wait_for(self, predicate, timeout: float, what: str) -> bool:
+        """Until ``predicate()``; False if the run finished first."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if self.finished():
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.sync}: {what} not within {timeout:.0f} s")
+            time.sleep(0.05)
+        return True
+
+    def worker_of_node1(self) -> int:
+        out = subprocess.run(["pgrep", "-P", str(self.nodes[1].pid)], capture_output=True, text=True).stdout
+        for pid in map(int, out.split()):
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if b"\0RANK=1\0" in b"\0" + f.read():
+                    return pid
+        raise RuntimeError("no worker under node 1's torchrun")
+
+    def spawn(self, ctx: Any, cfg: dict[str, Any]) -> tuple[Any, float, int]:
+        """Fork a process that joins (it asks once it has built its model); returns it, when, and the joins so far."""
+        process = ctx.Process(target=_joiner, args=(cfg, str(self.run_dir), str(self.run_dir / "joiners.log")))
+        started, before = time.time(), len(self.events("rank_joined"))
+        process.start()
+        self.joiners.append(process)
+        return process, started, before
+
+    def admitted(self, spawned: tuple[Any, float, int]) -> bool:
+        """Wait until the process ``spawned`` is admitted; False if the run ended first."""
+        process, started, before = spawned
+        if not self.wait_for(lambda: len(self.events("rank_joined")) > before, 120, "a join"):
+            return False
+        event = self.events("rank_joined")[before]
+        self.members[event["ranks"][0]] = process.pid
+        admission = event["time"] - event["admission_s"]  # (the others stand still from here, not from its start)
+        self.injected.append({"kind": "join", "time": admission, "started": started, "rank": event["ranks"][0]})
+        self.injected[-1]["event"] = event
+        return True
+
+    def fail(self, rng: random.Random, ctx: Any, cfg: dict[str, Any]) -> bool:
+        """Fail a member other than rank 0 and start a process in its place at once (it builds its model while the
+        others recover); wait until the others removed the one and admitted the other."""
+        # A few steps first: the gap around each failure and each admission is then its own.
+        trained = len([r for r in self.metrics() if r["kind"] == "train"])
+        if not self.wait_for(
+            lambda: len([r for r in self.metrics() if r["kind"] == "train"]) >= trained + 3, 60, "steps"
+        ):
+            return False
+        rank = rng.choice(sorted(self.members))
+        pid, before = self.members.pop(rank), len(self.events("rank_lost"))
+        hang = len(self.events("rank_lost")) % self.args.hang_every == self.args.hang_every - 1  # (every n-th)
+        at = time.time()
+        if rank == 1 and not hang:
+            os.killpg(self.nodes[1].pid, signal.SIGKILL)  # the node: its agent (torchrun's workers have a session
+        os.kill(pid, signal.SIGSTOP if hang else signal.SIGKILL)  # of their own) and its worker
+        print(f"bench.soak: {self.sync}: {'hang' if hang else 'kill'} of rank {rank} (pid {pid})", flush=True)
+        spawned = self.spawn(ctx, cfg)
+        removed = lambda: any(rank in e["ranks"] for e in self.events("rank_lost")[before:])  # noqa: E731
+        if not self.wait_for(removed, self.args.hang_timeout + 60, f"rank {rank}'s removal"):
+            return False
+        event = next(e for e in self.events("rank_lost")[before:] if rank in e["ranks"])
+        self.injected.append({"kind": "hang" if hang else "kill", "time": at, "rank": rank, "event": event})
+        if hang:
+            os.kill(pid, signal.SIGCONT)  # given up: it wakes, finds itself removed and exits
+        return self.admitted(spawned)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+        for process in self.joiners:
+            if process.is_alive():
+                process.kill()
+            process.join()
+
+
+def standstill(steps: list[dict[str, Any]], at: float, step_s: float) -> float | None:
+    """The gap between the last step completed before ``at`` and the first completed after, less one step."""
+    before = [r["time"] for r in steps if r["time"] <= at]
+    after = [r["time"] for r in steps if r["time"] > at]
+    if not before or not after:
+        return None
+    return max(0.0, after[0] - before[-1] - step_s)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def soak(sync: str, share: int, args: argparse.Namespace, workdir: Path, port: int, ctx: Any) -> dict[str, Any]:
+    """One run with ``share`` failures (fewer if it ends first), and what its records say."""
+    from bench.common import config
+
+    rng, run, started = random.Random(args.seed), Run(sync, args, workdir, port), time.time()
+    try:
+        run.wait_for(lambda: (run.run_dir / "join.json").exists() and run.metrics(), 300, "the run's start")
+        run.members[1] = run.worker_of_node1()
+        cfg = config([*run.overrides, "trainer.join=true", "trainer.nproc=1"])
+        while len(run.members) + 1 < args.nodes:  # (the world the driver keeps)
+            if not run.admitted(run.spawn(ctx, cfg)):
+                break
+        failures = 0
+        while failures < share and not run.finished():
+            if not run.fail(rng, ctx, cfg):
+                break
+            failures += 1
+        run.wait_for(lambda: False, 3600, "the run's end") if not run.finished() else None
+    except TimeoutError as error:
+        return {"sync": sync, "error": str(error)}
+    finally:
+        run.close()
+    metrics = run.metrics()
+    steps = [r for r in metrics if r["kind"] == "train"]
+    summary = next(r for r in reversed(metrics) if r["kind"] == "summary")
+    step_s = median([r["step_s"] for r in steps])
+    numbers = [r["step"] for r in steps]
+    pauses = {kind: [] for kind in ("kill", "hang", "join")}
+    for injected in run.injected:
+        pause = standstill(steps, injected["time"], step_s)
+        if pause is not None:
+            pauses[injected["kind"]].append(pause)
+    survived = [i for i in run.injected if i["kind"] != "join" and i["event"]["event"] == "rank_lost"]
+    return {
+        "sync": sync,
+        "failures": len([i for i in run.injected if i["kind"] != "join"]),
+        "survived": len(survived),
+        "kills": len(pauses["kill"]),
+        "hangs": len(pauses["hang"]),
+        "joins": len(pauses["join"]),
+        "lost_steps": (len(numbers) - len(set(numbers))) + (max(numbers) + 1 - len(set(numbers))),
+        "steps": len(numbers),
+        "median_step_s": step_s,
+        "standstill_s": {kind: values for kind, values in pauses.items()},
+        "top1": summary["top1"],
+        "finished": summary["finished"],
+        "wall_s": time.time() - started,
+    }
+
+
+def undisturbed(sync: str, args: argparse.Namespace, workdir: Path) -> float:
+    """The same config and length at ``--nodes`` ranks, nothing failed: its final top-1."""
+    from bench.common import run as train
+
+    del workdir
+    metrics = train([*overrides(sync, args), f"trainer.nproc={args.nodes}"])
+    return next(r for r in reversed(metrics) if r["kind"] == "summary")["top1"]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def stats(values: list[float]) -> str:
+        if not values:
+            return "–"
+        return f"{median(values):.2f} / {percentile(values, 0.95):.2f} / {max(values):.2f}"
+
+    lines = [
+        "| sync | failures survived (kill + hang) | joins | lost steps | standstill per failure, s (median / p95 / "
+        "max) | per join, s | top-1 (undisturbed) | wall |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['sync']} | failed: {r['error'][:100]} |||||||")
+            continue
+        failures = r["standstill_s"]["kill"] + r["standstill_s"]["hang"]
+        lines.append(
+            f"| {r['sync']} | {r['survived']} of {r['failures']} ({r['kills']} + {r['hangs']}) | {r['joins']} | "
+            f"{r['lost_steps']} | {stats(failures)} | {stats(r['standstill_s']['join'])} | "
+            f"{r['top1']:.2f}% ({r['undisturbed_top1']:.2f}%) | {r['wall_s'] / 60:.1f} min |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--failures", type=int, default=1000, help="failures (kills and hangs) in all")
+    parser.add_argument("--syncs", default=",".join(SYNCS), help="the sync options, one run each, in turn")
+    parser.add_argument("--nodes", type=int, default=3, help="the world size the driver keeps")
+    parser.add_argument("--epochs", type=int, default=100, help="each run's length (and its undisturbed run's)")
+    parser.add_argument("--hang-every", type=int, default=5, help="one failure in this many is a hang")
+    parser.add_argument("--hang-timeout", type=float, default=3.0, help="trainer.hang_timeout_s")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=29700)
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    syncs = args.syncs.split(",")
+    from engine.launch import START_METHOD, start_worker_server
+
+    start_worker_server()
+    ctx = multiprocessing.get_context(START_METHOD)
+    started, workdir = time.perf_counter(), Path(tempfile.mkdtemp(prefix="relaxsync-soak-"))
+    rows = []
+    for i, sync in enumerate(syncs):
+        left = args.failures - sum(r.get("failures", 0) for r in rows)  # (a run that ended early leaves its rest)
+        share = math.ceil(left / (len(syncs) - i))
+        print(f"bench.soak: {sync}, {share} failures", flush=True)
+        row = soak(sync, share, args, workdir, args.port + i, ctx)
+        if "error" not in row:
+            row["undisturbed_top1"] = undisturbed(sync, args, workdir)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "standstill_s"}), flush=True)
+    command = "python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:])
+    every = [p for r in rows if "error" not in r for k in ("kill", "hang") for p in r["standstill_s"][k]]
+    result = {
+        "benchmark": "soak",
+        "command": command.strip(),
+        "machine": machine(),
+        "failures_survived": sum(r.get("survived", 0) for r in rows),
+        "failures_injected": sum(r.get("failures", 0) for r in rows),
+        "lost_steps": sum(r.get("lost_steps", 0) for r in rows),
+        "standstill_s": {"median": median(every), "p95": percentile(every, 0.95), "max": max(every, default=None)},
+        "wall_s": time.perf_counter() - started,
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    text = table(rows)
+    (out / "soak.md").write_text(text + "\n")
+    print(text)
+    print(f"bench.soak: {result['failures_survived']} of {result['failures_injected']} failures survived, "
+          f"{result['wall_s'] / 60:.1f} min; results in {out}/soak.json and soak.md")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
