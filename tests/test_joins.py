@@ -105,6 +105,7 @@ def test_a_process_that_joins_is_admitted_without_stopping_the_others(tmp_path):
     assert summary["finished"] and summary["world_size"] == 3 and summary["replica_spread"] == 0.0
 
 
+@pytest.mark.full  # ~35 s; in make test the admission of a live process, and any loss in a part (test_faults), cover it
 def test_a_process_that_asks_to_join_and_dies_before_its_admission_is_given_up(tmp_path):
     """A ticket taken by a process that never comes (it died after asking): the members admit it at the agreed step,
     find it silent when the new group does not form, remove it as lost and go on at 2; nothing is trained twice."""
