@@ -1,0 +1,647 @@
+"""The membership service at scale, simulated: N ranks' :class:`Heartbeat` and :class:`Failures` (engine/failures.py,
+the code a worker runs) against one real c10d ``TCPStore``, at the sizes of a cluster of a thousand nodes, on one
+machine.
+
+    python -m bench.membership [--sizes 64,256,1024] [--code tree,REV] [--kill 1] [--window 5] [--limit 150]
+
+Each size runs in a process of its own, beside a second process that holds the store's server (as torchrun's agent
+holds it, away from the workers). That process runs the N simulated ranks as threads: per rank a ``Membership`` with
+a store connection of its own, its ``Failures`` and the heartbeat thread that ``Heartbeat.start`` starts on a second
+connection (``Membership.every`` clones it), at the real period ``BEAT_S``. Threads, not processes: a thousand Python
+processes (~100 MB each with torch) do not fit this machine, while two thousand threads that wait on sockets most of
+the time do, and the store's server, the part every rank shares, is a real one in a process of its own. What the
+threads do not give is what a real rank has: a core of its own for its client-side work. All ranks' Python work
+shares this machine's cores (the GIL: one at a time), so a size at which the simulated ranks' own work outgrows
+that is reported as such (beats per rank and second below the period's 5, the simulation's CPU).
+
+Only the group formation is replaced: ``distributed.membership.form_group`` (``new_group`` and a first collective)
+returns a placeholder; everything else in ``Membership.propose/adopt`` and ``Failures.recover`` is the real code.
+What forming a real gloo group costs is measured apart, at the sizes this machine can start (``--form-group``).
+
+Measured per size, after ``--warmup`` s: (a) the steady state over ``--window`` s: every call the ranks make on
+their store connections, counted client side by a thin wrapper (one call is one request to the server: ``multi_get``
+of k keys is one call naming k keys), as calls/s and keys/s, per rank and heartbeat tick, and the server process's
+CPU; (b) a failure: ``--kill`` ranks stop beating and, at the same moment, every other rank's collective fails with
+gloo's "Connection closed by peer" (as a dead peer's closed sockets make it fail); each survivor runs
+``Failures.recover`` at once. Reported: seconds from the failure until each survivor holds the agreed decision
+(``Membership.adopt`` called: median, max) and until the last survivor's ``recover`` returned (the change adopted
+and the positions exchanged), and whether every survivor agreed on exactly the killed ranks. A size that has not
+finished ``--limit`` s after the failure is reported as not finished, with how many survivors had.
+
+``--code`` names the engine/failures.py to run: ``tree`` (the working tree's) and git revisions, whose file is loaded
+in place of the tree's (everything else as in the working tree); with several, each size runs with each, side by
+side, alternating which goes first. Results: bench/results/membership.json and membership.md (``--merge`` keeps the
+rows there of other sizes and code); read in docs/benchmarks/membership.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.util
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS, ROOT, machine
+
+POSITION_STEP = 10  # the step every survivor was in when its collective failed (one of them is a collective behind)
+FORM_GROUP_REPEATS = 5
+STAGES = ("connected", "steady", "result")
+
+
+# ---- the store and the counting of what is asked of it -------------------------------------------------------------
+class Tally:
+    """What one store connection was asked: calls (one request each) and the keys they named, by method."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.keys = 0
+
+    def count(self, method: str, args: tuple) -> None:
+        self.calls[method] = self.calls.get(method, 0) + 1
+        first = args[0] if args else None
+        self.keys += len(first) if isinstance(first, list) else 1
+
+    def snapshot(self) -> tuple[dict[str, int], int]:
+        return dict(self.calls), self.keys
+
+
+class CountingStore:
+    """A c10d store client that counts every call made through it (client side; each is one request to the server).
+    ``clone()`` (a heartbeat thread's own connection) counts on a tally of its own, kept in ``clones``."""
+
+    def __init__(self, store: Any, tally: Tally | None = None):
+        self._store, self.tally, self.clones = store, tally or Tally(), []
+
+    def clone(self) -> CountingStore:
+        clone = CountingStore(self._store.clone())
+        self.clones.append(clone.tally)
+        return clone
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+        if not callable(method):
+            return method
+        tally = self.tally
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            tally.count(name, args)
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def client(port: int) -> Any:
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=600)
+    return dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout, wait_for_workers=False)
+
+
+def raise_file_limit() -> None:
+    """Two connections per simulated rank, on both ends: up to the hard limit of open files."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def serve() -> None:
+    """The store's server, in a process of its own: prints its port, serves until stdin closes."""
+    import torch.distributed as dist
+
+    raise_file_limit()
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=600), wait_for_workers=False)
+    print(store.port, flush=True)
+    sys.stdin.read()
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def load_failures_from(rev: str) -> str:
+    """Import engine/failures.py as it was at git revision ``rev`` in place of the working tree's; its commit."""
+    source = subprocess.run(
+        ["git", "show", f"{rev}:engine/failures.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    path = Path(tempfile.mkdtemp(prefix="relaxsync-failures-")) / "failures.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("engine.failures", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["engine.failures"] = module
+    spec.loader.exec_module(module)
+    import engine
+
+    engine.failures = module
+    return git("rev-parse", rev)
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def code_version() -> str:
+    """The working tree's engine/failures.py: the commit, and whether the file differs from it."""
+    dirty = git("status", "--porcelain", "engine/failures.py")
+    return git("rev-parse", "HEAD") + (" + uncommitted changes" if dirty else "")
+
+
+# ---- the simulation ------------------------------------------------------------------------------------------------
+def simulate(
+    n: int,
+    port: int,
+    killed: list[int],
+    warmup_s: float = 2.0,
+    window_s: float = 5.0,
+    limit_s: float = 150.0,
+    hang_timeout_s: float = 60.0,
+    server_pid: int | None = None,
+    report: Callable[[str, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """``n`` simulated ranks on the store at ``port``: the steady state over ``window_s`` after ``warmup_s``, then
+    (unless ``killed`` is empty) the failure of the ``killed`` ranks. Runs in this process; ``form_group`` is the
+    placeholder's until it returns. ``report(stage, what)`` hears of each stage as it ends ("connected", "steady")."""
+    import distributed.membership as membership_module
+
+    real_form_group, stack_size = membership_module.form_group, threading.stack_size()
+    formed: list[list[int]] = []
+
+    def placeholder_group(ranks: list[int], timeout: Any = None) -> object:
+        formed.append(ranks)
+        return object()
+
+    membership_module.form_group = placeholder_group
+    threading.stack_size(512 * 1024)  # (two threads per rank: the default 8 MiB stacks add up)
+    try:
+        report = report or (lambda stage, what: None)
+        simulation = Simulation(n, port, hang_timeout_s, server_pid)
+        report("connected", {"setup_s": time.monotonic() - simulation.started})
+        return simulation.run(killed, warmup_s, window_s, limit_s, formed, report)
+    finally:
+        membership_module.form_group = real_form_group
+        threading.stack_size(stack_size)
+
+
+class Simulation:
+    """``n`` ranks, each a ``Membership`` on a store connection of its own (counted), its ``Failures`` and their
+    heartbeat thread, and a thread that stands for the rank's training loop: it waits in its "collective" until a
+    failure makes it fail, then runs ``Failures.recover``."""
+
+    def __init__(self, n: int, port: int, hang_timeout_s: float, server_pid: int | None):
+        from distributed.membership import Membership
+
+        failures_module = importlib.import_module("engine.failures")
+        self.n, self.server_pid, self.module = n, server_pid, failures_module
+
+        class SimulatedMembership(Membership):
+            """A rank's membership on a connection of its own, keeping when it was handed the agreed change."""
+
+            def __init__(self, rank: int, store: CountingStore):
+                super().__init__(rank, n, group=None)
+                self._prefix = "relaxsync/bench/membership"  # (one process makes them all: one prefix, as across ranks)
+                self._store = store
+                self.group = None
+                self.decided_at: float | None = None
+
+            def adopt(self, agreed: dict[str, Any], reasons: Any = None, abort_replaced: bool = False) -> Any:
+                self.decided_at = time.monotonic()
+                return super().adopt(agreed, reasons, abort_replaced)
+
+        self.started = time.monotonic()
+        first = client(port)  # (a new client takes ~0.2 s to connect here, a clone of one under 1 ms)
+        # Connections are made in parallel: c10d looks up the name of the address of every connection it makes, and
+        # this machine's resolver leaves about one lookup in 25 unanswered for 5 s.
+        with ThreadPoolExecutor(64) as pool:
+            self.stores = list(pool.map(lambda _: CountingStore(first.clone()), range(n)))
+        self.memberships = [SimulatedMembership(r, self.stores[r]) for r in range(n)]
+        self.failures = [failures_module.Failures(m, hang_timeout_s=hang_timeout_s) for m in self.memberships]
+        with ThreadPoolExecutor(64) as pool:  # (each start connects: Membership.every clones the store)
+            list(pool.map(lambda f: f.heartbeat.start(), self.failures))
+        self.tallies = [s.tally for s in self.stores] + [t for s in self.stores for t in s.clones]
+        self.beats = [t for s in self.stores for t in s.clones]
+
+    def totals(self) -> dict[str, Any]:
+        calls: dict[str, int] = {}
+        keys = 0
+        for t in self.tallies:
+            by_method, k = t.snapshot()
+            keys += k
+            for method, v in by_method.items():
+                calls[method] = calls.get(method, 0) + v
+        beats = [t.snapshot() for t in self.beats]
+        return {
+            "time": time.monotonic(),
+            "calls": calls,
+            "keys": keys,
+            "beat_calls": sum(sum(c.values()) for c, _ in beats),
+            "beat_keys": sum(k for _, k in beats),
+            "ticks": sum(c.get("add", 0) for c, _ in beats),  # one add of the rank's own counter per tick
+            "cpu_s": time.process_time(),
+            "server_cpu_s": cpu_s(self.server_pid) if self.server_pid else float("nan"),
+        }
+
+    def steady(self, first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+        elapsed = last["time"] - first["time"]
+        calls = {m: last["calls"].get(m, 0) - first["calls"].get(m, 0) for m in last["calls"]}
+        ticks = last["ticks"] - first["ticks"]
+        return {
+            "window_s": elapsed,
+            "calls_per_s": sum(calls.values()) / elapsed,
+            "keys_per_s": (last["keys"] - first["keys"]) / elapsed,
+            "calls_per_s_by_method": {m: v / elapsed for m, v in sorted(calls.items())},
+            "beats_per_rank_s": ticks / self.n / elapsed,  # the period asks for 1 / BEAT_S
+            "calls_per_tick": (last["beat_calls"] - first["beat_calls"]) / max(ticks, 1),  # per rank, its heartbeat
+            "keys_per_tick": (last["beat_keys"] - first["beat_keys"]) / max(ticks, 1),
+            "simulation_cpu": (last["cpu_s"] - first["cpu_s"]) / elapsed,  # cores busy in the simulating process
+            "server_cpu": (last["server_cpu_s"] - first["server_cpu_s"]) / elapsed,  # ... in the store's server
+        }
+
+    def run(
+        self,
+        killed: list[int],
+        warmup_s: float,
+        window_s: float,
+        limit_s: float,
+        formed: list[list[int]],
+        report: Callable[[str, dict[str, Any]], None],
+    ) -> dict[str, Any]:
+        from distributed.membership import LeftRun
+
+        Phase, Position = self.module.Phase, self.module.Position
+        survivors = [r for r in range(self.n) if r not in killed]
+        behind = survivors[-1]  # one collective short of the others when it fails: the others heal it
+        collective = threading.Event()
+        entered: dict[int, float] = {}
+        recovered: dict[int, tuple[float, Any]] = {}
+        outcome: dict[int, str] = {}
+
+        def rank_main(rank: int) -> None:
+            collective.wait()
+            entered[rank] = time.monotonic()
+            step, phase = (POSITION_STEP - 1, Phase.EXCHANGE) if rank == behind else (POSITION_STEP, Phase.STEP)
+            try:
+                error = RuntimeError("Connection closed by peer [127.0.0.1]:29500")  # gloo's, when a peer died
+                recovery = self.failures[rank].recover(error, Position(step, phase))
+                recovered[rank] = (time.monotonic(), recovery)
+            except LeftRun as left:
+                outcome[rank] = f"left: {left}"
+            except BaseException as error:  # noqa: BLE001 - reported, not raised: the other ranks go on
+                outcome[rank] = f"{type(error).__name__}: {error}"
+
+        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in survivors] if killed else []
+        for t in threads:
+            t.start()
+        time.sleep(warmup_s)
+        first = self.totals()
+        time.sleep(window_s)
+        last = self.totals()
+        result = {"n": self.n, "setup_s": first["time"] - self.started - warmup_s, "steady": self.steady(first, last)}
+        report("steady", result)
+        if not killed:
+            self.stop(range(self.n))
+            return {**result, "failure": None}
+
+        for r in killed:
+            self.failures[r].heartbeat.stop()
+        failed_at = time.monotonic()
+        collective.set()
+        deadline = failed_at + limit_s
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        end = self.totals()
+        if len(recovered) == len(survivors):
+            self.stop(survivors)  # (otherwise some are still in the store: the process that ran it exits)
+
+        done = {r: at - failed_at for r, (at, _) in recovered.items()}
+        decided = [m.decided_at - failed_at for m in self.memberships if m.decided_at is not None]
+        recoveries = [rec for _, rec in recovered.values()]
+        agreed = {
+            json.dumps({"change": asdict(rec.change), "event": rec.event, "behind": rec.behind}, sort_keys=True)
+            for rec in recoveries
+        }
+        failure = {
+            "killed": killed,
+            "survivors": len(survivors),
+            "finished": len(done),
+            "all_finished": len(done) == len(survivors),
+            "errors": sorted(set(outcome.values()))[:5],
+            "agreed_alike": len(agreed) == 1 and len(done) == len(survivors),
+            "removed": sorted({r for rec in recoveries for r in rec.change.removed}),
+            "removed_exactly_killed": bool(recoveries) and all(rec.change.removed == killed for rec in recoveries),
+            "behind_agreed": bool(recoveries) and all(rec.behind == [behind] for rec in recoveries),
+            "groups_formed": len(formed),
+            "entered_s": summary(entered[r] - failed_at for r in list(entered)),  # the simulation's own lag
+            "decided_s": summary(decided),
+            "recovered_s": summary(done.values()),
+            "recovery_calls": sum(end["calls"].values()) - sum(last["calls"].values()),
+            "recovery_keys": end["keys"] - last["keys"],
+            "recovery_wall_s": end["time"] - failed_at,
+        }
+        failure["recovery_calls_per_survivor"] = failure["recovery_calls"] / max(len(survivors), 1)
+        return {**result, "failure": failure}
+
+    def stop(self, ranks: Any) -> None:
+        with ThreadPoolExecutor(64) as pool:
+            list(pool.map(lambda r: self.failures[r].heartbeat.stop(), ranks))
+
+
+def summary(values: Any) -> dict[str, float] | None:
+    values = sorted(values)
+    if not values:
+        return None
+    return {"median": statistics.median(values), "max": values[-1], "min": values[0]}
+
+
+# ---- one size in processes of its own ------------------------------------------------------------------------------
+def one(args: argparse.Namespace) -> None:
+    """``--one N``: the simulation of one size, in this process; prints each stage's result as a JSON line as it
+    ends (``connected``, ``steady``, ``result``), so that a size cut off by its time limit still says how far it got."""
+    raise_file_limit()
+    version = load_failures_from(args.failures_from) if args.failures_from else code_version()
+    n = args.one
+    killed = list(range(n // 2, n // 2 + args.kill))  # (sorted, as a decision names them)
+
+    def report(stage: str, what: dict[str, Any]) -> None:
+        print(f"{stage} " + json.dumps({**what, "failures_code": version}), flush=True)
+
+    result = simulate(
+        n, args.port, killed, args.warmup, args.window, args.limit, args.hang_timeout, args.server_pid, report
+    )
+    report("result", result)
+    os._exit(0)  # (ranks that never finished are threads blocked in the store: nothing to wait for)
+
+
+def run_size(n: int, rev: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    """Start the store's server and the simulation of ``n`` ranks (engine/failures.py at ``rev``, or the working
+    tree's), each in a process of its own; return the simulation's result, or as much of it as it reached within
+    ``--setup-limit`` + ``--warmup`` + ``--window`` + ``--limit`` seconds."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "bench.membership", "--serve"], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        port = int(server.stdout.readline())
+        command = [
+            sys.executable, "-m", "bench.membership", "--one", str(n), "--port", str(port),
+            "--server-pid", str(server.pid), "--kill", str(args.kill), "--warmup", str(args.warmup),
+            "--window", str(args.window), "--limit", str(args.limit), "--hang-timeout", str(args.hang_timeout),
+        ]  # fmt: skip
+        if rev:
+            command += ["--failures-from", rev]
+        budget = args.setup_limit + args.warmup + args.window + args.limit
+        sim = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = sim.communicate(timeout=budget)
+        except subprocess.TimeoutExpired:
+            sim.kill()
+            out, err = sim.communicate()
+        stages = dict(line.split(" ", 1) for line in out.splitlines() if line.split(" ", 1)[0] in STAGES)
+        if "result" in stages:
+            return json.loads(stages["result"])
+        if "steady" in stages:
+            row = json.loads(stages["steady"])
+            return {**row, "failure": None, "error": f"the failure was not agreed on within {budget:.0f} s"}
+        if "connected" in stages:
+            return {"n": n, "error": f"no steady state within {budget:.0f} s", **json.loads(stages["connected"])}
+        return {"n": n, "error": err[-2000:] or f"no result within {budget:.0f} s"}
+    finally:
+        server.stdin.close()
+        server.wait()
+
+
+# ---- what the store's server can serve -------------------------------------------------------------------------
+def capacity(port: int, server_pid: int, threads: int = 8, seconds: float = 3.0) -> list[dict[str, Any]]:
+    """What the server at ``port`` serves when ``threads`` connections ask as fast as they can (the client side, one
+    process here, may be the limit: the server's CPU says which): calls/s and keys/s of single-key ``add``, and of
+    ``multi_get`` and ``check`` of 1023 keys, what a heartbeat tick that reads every peer asks at 1024 ranks."""
+    first = client(port)
+    stores = [first.clone() for _ in range(threads)]
+    keys = [f"relaxsync/restart0/membership0/beat/{r}" for r in range(1023)]
+    for key in keys:
+        first.add(key, 1)
+    asks = {
+        "add": (lambda store, i: store.add(f"relaxsync/restart0/membership0/beat/{i}", 1), 1),
+        "multi_get of 1023": (lambda store, i: store.multi_get(keys), len(keys)),
+        "check of 1023": (lambda store, i: store.check(keys), len(keys)),
+    }
+    rows = []
+    for name, (ask, per_call) in asks.items():
+        counts = [0] * threads
+        stop = time.monotonic() + seconds
+
+        def hammer(i: int, ask=ask, stop=stop, counts=counts) -> None:
+            while time.monotonic() < stop:
+                ask(stores[i], i)
+                counts[i] += 1
+
+        cpu, start = cpu_s(server_pid), time.monotonic()
+        workers = [threading.Thread(target=hammer, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        elapsed = time.monotonic() - start
+        calls = sum(counts) / elapsed
+        rows.append(
+            {
+                "ask": name,
+                "calls_per_s": calls,
+                "keys_per_s": calls * per_call,
+                "server_cpu": (cpu_s(server_pid) - cpu) / elapsed,
+            }
+        )
+    return rows
+
+
+def run_capacity() -> list[dict[str, Any]]:
+    server = subprocess.Popen(
+        [sys.executable, "-m", "bench.membership", "--serve"], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        port = int(server.stdout.readline())
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.membership",
+                "--capacity",
+                "--port",
+                str(port),
+                "--server-pid",
+                str(server.pid),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        return json.loads(out.stdout.splitlines()[-1])
+    finally:
+        server.stdin.close()
+        server.wait()
+
+
+# ---- what forming a real group costs -------------------------------------------------------------------------------
+def _form_group_rank(rank: int, n: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from distributed.membership import form_group
+
+    store = dist.TCPStore("127.0.0.1", port, n, rank == 0, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
+    times: dict[str, list[float]] = {"all": [], "survivors": []}
+    for _ in range(FORM_GROUP_REPEATS):
+        for name, ranks in (("all", list(range(n))), ("survivors", list(range(n - 1)))):
+            dist.barrier()
+            if rank in ranks:
+                start = time.perf_counter()
+                form_group(ranks)
+                times[name].append(time.perf_counter() - start)
+    dist.barrier()
+    Path(out, f"{rank}.json").write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def form_group_cost(sizes: list[int]) -> list[dict[str, Any]]:
+    """Seconds to form a gloo group (``form_group``: ``new_group`` of the ranks alone, then a first collective) in ``n``
+    real processes, of all of them and of all but one (a survivors' group): the median over repeats of the slowest
+    rank."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    rows = []
+    for n in sizes:
+        with socket.socket() as s, tempfile.TemporaryDirectory() as out:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            s.close()
+            mp.start_processes(_form_group_rank, args=(n, port, out), nprocs=n, start_method="spawn")
+            per_rank = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(n)]
+        row = {"n": n}
+        for name in ("all", "survivors"):
+            slowest = [max(p[name][i] for p in per_rank if p[name]) for i in range(FORM_GROUP_REPEATS)]
+            row[name] = statistics.median(slowest)
+        rows.append(row)
+        print(f"bench.membership: form_group at {n} processes: {row}", flush=True)
+    return rows
+
+
+# ---- tables and the command line -----------------------------------------------------------------------------------
+def table(rows: list[dict[str, Any]]) -> str:
+    def num(value: Any, fmt: str = "{:.2f}") -> str:
+        return "–" if value is None or value != value else fmt.format(value)
+
+    lines = [
+        "| engine/failures.py | ranks | store calls/s | keys/s | calls per rank per tick | keys per rank per tick | "
+        "beats per rank/s | server CPU | decided median (s) | decided max (s) | last recovered (s) | "
+        "agreed on the killed rank | recovery calls per survivor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        code = r.get("failures_code", r["code"])[:7] + ("*" if "uncommitted" in r.get("failures_code", "") else "")
+        s, f = r.get("steady"), r.get("failure")
+        if s is None:
+            lines.append(f"| {code} | {r['n']} | {r['error'].splitlines()[-1][:200]} |" + " |" * 10)
+            continue
+        steady = (
+            f"| {code} | {r['n']} | {s['calls_per_s']:,.0f} | {s['keys_per_s']:,.0f} | {s['calls_per_tick']:.2f} | "
+            f"{s['keys_per_tick']:.1f} | {s['beats_per_rank_s']:.2f} | {s['server_cpu']:.2f} |"
+        )
+        if f is None:
+            lines.append(f"{steady} {r['error']} | | | | |")
+            continue
+        decided, recovered = f["decided_s"] or {}, f["recovered_s"] or {}
+        last = num(recovered.get("max"))
+        if not f["all_finished"]:
+            last = f"not finished ({f['finished']}/{f['survivors']} in {num(f['recovery_wall_s'], '{:.0f}')} s)"
+        agreed = "yes" if f["removed_exactly_killed"] and f["agreed_alike"] else f"no: {str(f['removed'])[:40]}"
+        lines.append(
+            f"{steady} {num(decided.get('median'))} | {num(decided.get('max'))} | {last} | {agreed} | "
+            f"{f['recovery_calls_per_survivor']:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="64,256,1024", help="numbers of simulated ranks")
+    parser.add_argument("--code", default="tree", help="engine/failures.py to run: tree (the working tree's), git revs")
+    parser.add_argument("--kill", type=int, default=1, help="ranks that fail at once (from the middle rank on)")
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of heartbeats before the window")
+    parser.add_argument("--window", type=float, default=5.0, help="seconds over which the steady state is counted")
+    parser.add_argument("--limit", type=float, default=150.0, help="seconds after the failure before giving up")
+    parser.add_argument("--setup-limit", type=float, default=240.0, help="seconds to connect and start every rank")
+    parser.add_argument("--hang-timeout", type=float, default=60.0, help="trainer.hang_timeout_s (its default)")
+    parser.add_argument("--form-group", default="2,4,8", help="process counts at which to time real gloo groups")
+    parser.add_argument("--server-capacity", type=int, default=1, help="1: also measure what the store serves")
+    parser.add_argument("--merge", action="store_true", help="keep the rows of other sizes and code in --out")
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--capacity", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--server-pid", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--failures-from", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        serve()
+        return 0
+    if args.one is not None:
+        one(args)
+        return 0
+    if args.capacity:
+        print(json.dumps(capacity(args.port, args.server_pid)), flush=True)
+        return 0
+    started = time.perf_counter()
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    versions = [c for c in args.code.split(",") if c]
+    command = "python -m bench.membership " + " ".join(argv if argv is not None else sys.argv[1:])
+    rows = []
+    for i, n in enumerate(sizes):
+        for code in versions if i % 2 == 0 else versions[::-1]:
+            print(f"bench.membership: {n} ranks, engine/failures.py {code}", flush=True)
+            row = {"code": code, "command": command.strip(), **run_size(n, None if code == "tree" else code, args)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    groups = form_group_cost([int(s) for s in args.form_group.split(",") if s]) if args.form_group else []
+    served = run_capacity() if args.server_capacity else []
+    out = Path(args.out)
+    result = {"benchmark": "membership", "machine": machine(), "rows": [], "form_group": []}
+    if args.merge and (out / "membership.json").exists():
+        result = json.loads((out / "membership.json").read_text())
+    ran = {(r["code"], r["n"]) for r in rows}
+    result["rows"] = [r for r in result["rows"] if (r["code"], r["n"]) not in ran] + rows
+    result["rows"].sort(key=lambda r: (r["n"], r["code"] != "tree", r["code"]))
+    if groups:
+        result["form_group"] = groups
+    if served:
+        result["capacity"] = served
+    result["machine"] = machine()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "membership.json").write_text(json.dumps(result, indent=1) + "\n")
+    text = table(result["rows"])
+    (out / "membership.md").write_text(text + "\n")
+    print(text)
+    minutes = (time.perf_counter() - started) / 60
+    print(f"bench.membership: {minutes:.1f} min; results in {out}/membership.json and membership.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
