@@ -60,6 +60,10 @@ from bench.common import RESULTS, ROOT, machine
 POSITION_STEP = 10  # the step every survivor was in when its collective failed (one of them is a collective behind)
 FORM_GROUP_REPEATS = 5
 STAGES = ("connected", "steady", "result")
+# Seconds a simulating process lets one thread run before another may take the interpreter (Python's default: 0.005).
+# With a thousand threads in a process the default has the waiting ones wake 200 times a second each for nothing; a
+# worker has a handful of threads, so this changes the simulation's cost, not what the ranks do.
+SWITCH_S = 0.05
 
 
 # ---- the store and the counting of what is asked of it -------------------------------------------------------------
@@ -134,13 +138,18 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def load_failures_from(rev: str) -> str:
-    """Import engine/failures.py as it was at git revision ``rev`` in place of the working tree's; its commit."""
+def failures_at(rev: str) -> tuple[str, str]:
+    """engine/failures.py as it was at git revision ``rev``, in a temporary file: its path, and the commit."""
     source = subprocess.run(
         ["git", "show", f"{rev}:engine/failures.py"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
     path = Path(tempfile.mkdtemp(prefix="relaxsync-failures-")) / "failures.py"
     path.write_text(source)
+    return str(path), git("rev-parse", rev)
+
+
+def load_failures(path: str) -> None:
+    """Import the engine/failures.py at ``path`` in place of the working tree's (before anything imports that)."""
     spec = importlib.util.spec_from_file_location("engine.failures", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -149,7 +158,6 @@ def load_failures_from(rev: str) -> str:
     import engine
 
     engine.failures = module
-    return git("rev-parse", rev)
 
 
 def git(*args: str) -> str:
@@ -163,58 +171,37 @@ def code_version() -> str:
 
 
 # ---- the simulation ------------------------------------------------------------------------------------------------
-def simulate(
-    n: int,
-    port: int,
-    killed: list[int],
-    warmup_s: float = 2.0,
-    window_s: float = 5.0,
-    limit_s: float = 150.0,
-    hang_timeout_s: float = 60.0,
-    server_pid: int | None = None,
-    report: Callable[[str, dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
-    """``n`` simulated ranks on the store at ``port``: the steady state over ``window_s`` after ``warmup_s``, then
-    (unless ``killed`` is empty) the failure of the ``killed`` ranks. Runs in this process; ``form_group`` is the
-    placeholder's until it returns. ``report(stage, what)`` hears of each stage as it ends ("connected", "steady")."""
-    import distributed.membership as membership_module
+class Shard:
+    """Some of the simulated ranks, in one process: per rank a ``Membership`` on a store connection of its own
+    (counted), its ``Failures`` and their heartbeat thread, and a thread that stands for the rank's training loop: it
+    waits in its "collective" until :meth:`fail` makes it fail as a dead peer's closed connection does, then runs
+    ``Failures.recover`` at ``Position(10, STEP)`` (``behind`` at ``Position(9, EXCHANGE)``, a collective short).
+    ``distributed.membership.form_group`` is a placeholder until :meth:`close`."""
 
-    real_form_group, stack_size = membership_module.form_group, threading.stack_size()
-    formed: list[list[int]] = []
-
-    def placeholder_group(ranks: list[int], timeout: Any = None) -> object:
-        formed.append(ranks)
-        return object()
-
-    membership_module.form_group = placeholder_group
-    threading.stack_size(512 * 1024)  # (two threads per rank: the default 8 MiB stacks add up)
-    try:
-        report = report or (lambda stage, what: None)
-        simulation = Simulation(n, port, hang_timeout_s, server_pid)
-        report("connected", {"setup_s": time.monotonic() - simulation.started})
-        return simulation.run(killed, warmup_s, window_s, limit_s, formed, report)
-    finally:
-        membership_module.form_group = real_form_group
-        threading.stack_size(stack_size)
-
-
-class Simulation:
-    """``n`` ranks, each a ``Membership`` on a store connection of its own (counted), its ``Failures`` and their
-    heartbeat thread, and a thread that stands for the rank's training loop: it waits in its "collective" until a
-    failure makes it fail, then runs ``Failures.recover``."""
-
-    def __init__(self, n: int, port: int, hang_timeout_s: float, server_pid: int | None):
-        from distributed.membership import Membership
+    def __init__(
+        self, ranks: list[int], n: int, port: int, prefix: str, killed: list[int], behind: int, hang_timeout_s: float
+    ):
+        import distributed.membership as membership_module
+        from distributed.membership import LeftRun, Membership
 
         failures_module = importlib.import_module("engine.failures")
-        self.n, self.server_pid, self.module = n, server_pid, failures_module
+        Failures, Phase, Position = failures_module.Failures, failures_module.Phase, failures_module.Position
+        self._module, self._form_group, self._stack = membership_module, membership_module.form_group, None
+        self.formed = 0
+
+        def placeholder_group(ranks: list[int], timeout: Any = None) -> object:
+            self.formed += 1
+            return object()
+
+        membership_module.form_group = placeholder_group
+        self._stack = threading.stack_size(512 * 1024)  # (two threads per rank: the default 8 MiB stacks add up)
 
         class SimulatedMembership(Membership):
             """A rank's membership on a connection of its own, keeping when it was handed the agreed change."""
 
             def __init__(self, rank: int, store: CountingStore):
                 super().__init__(rank, n, group=None)
-                self._prefix = "relaxsync/bench/membership"  # (one process makes them all: one prefix, as across ranks)
+                self._prefix = prefix  # (every rank's, as across processes; made in one here)
                 self._store = store
                 self.group = None
                 self.decided_at: float | None = None
@@ -223,20 +210,41 @@ class Simulation:
                 self.decided_at = time.monotonic()
                 return super().adopt(agreed, reasons, abort_replaced)
 
-        self.started = time.monotonic()
         first = client(port)  # (a new client takes ~0.2 s to connect here, a clone of one under 1 ms)
-        # Connections are made in parallel: c10d looks up the name of the address of every connection it makes, and
-        # this machine's resolver leaves about one lookup in 25 unanswered for 5 s.
-        with ThreadPoolExecutor(64) as pool:
-            self.stores = list(pool.map(lambda _: CountingStore(first.clone()), range(n)))
-        self.memberships = [SimulatedMembership(r, self.stores[r]) for r in range(n)]
-        self.failures = [failures_module.Failures(m, hang_timeout_s=hang_timeout_s) for m in self.memberships]
-        with ThreadPoolExecutor(64) as pool:  # (each start connects: Membership.every clones the store)
-            list(pool.map(lambda f: f.heartbeat.start(), self.failures))
-        self.tallies = [s.tally for s in self.stores] + [t for s in self.stores for t in s.clones]
-        self.beats = [t for s in self.stores for t in s.clones]
+        with ThreadPoolExecutor(32) as pool:  # (connections in parallel: see run_size on name lookups)
+            stores = dict(zip(ranks, pool.map(lambda _: CountingStore(first.clone()), ranks)))
+        self.memberships = {r: SimulatedMembership(r, stores[r]) for r in ranks}
+        self.failures = {r: Failures(m, hang_timeout_s=hang_timeout_s) for r, m in self.memberships.items()}
+        with ThreadPoolExecutor(32) as pool:  # (each start connects: Membership.every clones the store)
+            list(pool.map(lambda f: f.heartbeat.start(), self.failures.values()))
+        self.tallies = [s.tally for s in stores.values()] + [t for s in stores.values() for t in s.clones]
+        self.beats = [t for s in stores.values() for t in s.clones]
+
+        self.collective = threading.Event()
+        self.outcomes: dict[int, dict[str, Any]] = {}
+
+        def rank_main(rank: int) -> None:
+            self.collective.wait()
+            out = self.outcomes[rank] = {"entered": time.monotonic()}
+            at = Position(POSITION_STEP - 1, Phase.EXCHANGE) if rank == behind else Position(POSITION_STEP, Phase.STEP)
+            cpu = time.thread_time()
+            try:
+                rec = self.failures[rank].recover(RuntimeError("Connection closed by peer [127.0.0.1]:29500"), at)
+                out.update(recovered=time.monotonic(), cpu_s=time.thread_time() - cpu)
+                agreed = {"change": asdict(rec.change), "event": rec.event, "behind": rec.behind}
+                out["agreed"] = json.dumps(agreed, sort_keys=True)
+            except LeftRun as left:
+                out["error"] = f"left: {left}"
+            except BaseException as error:  # noqa: BLE001 - reported, not raised: the other ranks go on
+                out["error"] = f"{type(error).__name__}: {error}"
+
+        survivors = [r for r in ranks if r not in killed] if killed else []  # (no failure, no training loops)
+        self.threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in survivors]
+        for t in self.threads:
+            t.start()
 
     def totals(self) -> dict[str, Any]:
+        """What this shard's connections were asked so far, and its process's CPU seconds."""
         calls: dict[str, int] = {}
         keys = 0
         for t in self.tallies:
@@ -246,119 +254,200 @@ class Simulation:
                 calls[method] = calls.get(method, 0) + v
         beats = [t.snapshot() for t in self.beats]
         return {
-            "time": time.monotonic(),
             "calls": calls,
             "keys": keys,
             "beat_calls": sum(sum(c.values()) for c, _ in beats),
             "beat_keys": sum(k for _, k in beats),
             "ticks": sum(c.get("add", 0) for c, _ in beats),  # one add of the rank's own counter per tick
             "cpu_s": time.process_time(),
-            "server_cpu_s": cpu_s(self.server_pid) if self.server_pid else float("nan"),
         }
 
-    def steady(self, first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
-        elapsed = last["time"] - first["time"]
-        calls = {m: last["calls"].get(m, 0) - first["calls"].get(m, 0) for m in last["calls"]}
-        ticks = last["ticks"] - first["ticks"]
-        return {
-            "window_s": elapsed,
-            "calls_per_s": sum(calls.values()) / elapsed,
-            "keys_per_s": (last["keys"] - first["keys"]) / elapsed,
-            "calls_per_s_by_method": {m: v / elapsed for m, v in sorted(calls.items())},
-            "beats_per_rank_s": ticks / self.n / elapsed,  # the period asks for 1 / BEAT_S
-            "calls_per_tick": (last["beat_calls"] - first["beat_calls"]) / max(ticks, 1),  # per rank, its heartbeat
-            "keys_per_tick": (last["beat_keys"] - first["beat_keys"]) / max(ticks, 1),
-            "simulation_cpu": (last["cpu_s"] - first["cpu_s"]) / elapsed,  # cores busy in the simulating process
-            "server_cpu": (last["server_cpu_s"] - first["server_cpu_s"]) / elapsed,  # ... in the store's server
-        }
-
-    def run(
-        self,
-        killed: list[int],
-        warmup_s: float,
-        window_s: float,
-        limit_s: float,
-        formed: list[list[int]],
-        report: Callable[[str, dict[str, Any]], None],
-    ) -> dict[str, Any]:
-        from distributed.membership import LeftRun
-
-        Phase, Position = self.module.Phase, self.module.Position
-        survivors = [r for r in range(self.n) if r not in killed]
-        behind = survivors[-1]  # one collective short of the others when it fails: the others heal it
-        collective = threading.Event()
-        entered: dict[int, float] = {}
-        recovered: dict[int, tuple[float, Any]] = {}
-        outcome: dict[int, str] = {}
-
-        def rank_main(rank: int) -> None:
-            collective.wait()
-            entered[rank] = time.monotonic()
-            step, phase = (POSITION_STEP - 1, Phase.EXCHANGE) if rank == behind else (POSITION_STEP, Phase.STEP)
-            try:
-                error = RuntimeError("Connection closed by peer [127.0.0.1]:29500")  # gloo's, when a peer died
-                recovery = self.failures[rank].recover(error, Position(step, phase))
-                recovered[rank] = (time.monotonic(), recovery)
-            except LeftRun as left:
-                outcome[rank] = f"left: {left}"
-            except BaseException as error:  # noqa: BLE001 - reported, not raised: the other ranks go on
-                outcome[rank] = f"{type(error).__name__}: {error}"
-
-        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in survivors] if killed else []
-        for t in threads:
-            t.start()
-        time.sleep(warmup_s)
-        first = self.totals()
-        time.sleep(window_s)
-        last = self.totals()
-        result = {"n": self.n, "setup_s": first["time"] - self.started - warmup_s, "steady": self.steady(first, last)}
-        report("steady", result)
-        if not killed:
-            self.stop(range(self.n))
-            return {**result, "failure": None}
-
+    def kill(self, killed: list[int]) -> None:
         for r in killed:
-            self.failures[r].heartbeat.stop()
-        failed_at = time.monotonic()
-        collective.set()
-        deadline = failed_at + limit_s
-        for t in threads:
+            if r in self.failures:
+                self.failures[r].heartbeat.stop()
+
+    def fail(self) -> None:
+        self.collective.set()
+
+    def outcome(self, deadline: float) -> dict[str, Any]:
+        """Once every survivor here is done, or at ``deadline``: each one's times and what it agreed."""
+        for t in self.threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        end = self.totals()
-        if len(recovered) == len(survivors):
-            self.stop(survivors)  # (otherwise some are still in the store: the process that ran it exits)
+        ranks = {}
+        for r, out in list(self.outcomes.items()):
+            ranks[r] = {**out, "decided": self.memberships[r].decided_at}
+        return {"ranks": ranks, "formed": self.formed}
 
-        done = {r: at - failed_at for r, (at, _) in recovered.items()}
-        decided = [m.decided_at - failed_at for m in self.memberships if m.decided_at is not None]
-        recoveries = [rec for _, rec in recovered.values()]
-        agreed = {
-            json.dumps({"change": asdict(rec.change), "event": rec.event, "behind": rec.behind}, sort_keys=True)
-            for rec in recoveries
-        }
-        failure = {
-            "killed": killed,
-            "survivors": len(survivors),
-            "finished": len(done),
-            "all_finished": len(done) == len(survivors),
-            "errors": sorted(set(outcome.values()))[:5],
-            "agreed_alike": len(agreed) == 1 and len(done) == len(survivors),
-            "removed": sorted({r for rec in recoveries for r in rec.change.removed}),
-            "removed_exactly_killed": bool(recoveries) and all(rec.change.removed == killed for rec in recoveries),
-            "behind_agreed": bool(recoveries) and all(rec.behind == [behind] for rec in recoveries),
-            "groups_formed": len(formed),
-            "entered_s": summary(entered[r] - failed_at for r in list(entered)),  # the simulation's own lag
-            "decided_s": summary(decided),
-            "recovered_s": summary(done.values()),
-            "recovery_calls": sum(end["calls"].values()) - sum(last["calls"].values()),
-            "recovery_keys": end["keys"] - last["keys"],
-            "recovery_wall_s": end["time"] - failed_at,
-        }
-        failure["recovery_calls_per_survivor"] = failure["recovery_calls"] / max(len(survivors), 1)
-        return {**result, "failure": failure}
+    def close(self) -> None:
+        """Stop the heartbeats (when no survivor is still in the store) and put ``form_group`` back."""
+        if all(not t.is_alive() for t in self.threads):
+            with ThreadPoolExecutor(32) as pool:
+                list(pool.map(lambda f: f.heartbeat.stop(), self.failures.values()))
+        self._module.form_group = self._form_group
+        threading.stack_size(self._stack or 0)
 
-    def stop(self, ranks: Any) -> None:
-        with ThreadPoolExecutor(64) as pool:
-            list(pool.map(lambda r: self.failures[r].heartbeat.stop(), ranks))
+
+def _shard_main(conn: Any, failures_path: str | None, switch_s: float, *args: Any) -> None:
+    """A shard's process: builds it, says so, then answers ``(method, args)`` requests until ``close``."""
+    raise_file_limit()
+    if failures_path:
+        load_failures(failures_path)
+    sys.setswitchinterval(switch_s)
+    shard = Shard(*args)
+    conn.send("ready")
+    while True:
+        name, call_args = conn.recv()
+        conn.send(getattr(shard, name)(*call_args))
+        if name == "close":
+            os._exit(0)  # (survivors that never finished are threads blocked in the store: nothing to wait for)
+
+
+class Remote:
+    """A shard in a process of its own: :meth:`ask` sends a request, :meth:`answer` waits for its answer, so that
+    several shards work on one request at once."""
+
+    def __init__(self, failures_path: str | None, switch_s: float, *args: Any):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.conn, theirs = context.Pipe()
+        self.process = context.Process(target=_shard_main, args=(theirs, failures_path, switch_s, *args), daemon=True)
+        self.process.start()
+
+    def ready(self) -> None:
+        assert self.conn.recv() == "ready"
+
+    def ask(self, name: str, *args: Any) -> None:
+        self.conn.send((name, args))
+
+    def answer(self) -> Any:
+        return self.conn.recv()
+
+
+class Local:
+    """A shard in this process, asked as a :class:`Remote` one is."""
+
+    def __init__(self, *args: Any):
+        self.shard, self._answer = Shard(*args), None
+
+    def ready(self) -> None:
+        pass
+
+    def ask(self, name: str, *args: Any) -> None:
+        self._answer = getattr(self.shard, name)(*args)
+
+    def answer(self) -> Any:
+        return self._answer
+
+
+def simulate(
+    n: int,
+    port: int,
+    killed: list[int],
+    warmup_s: float = 15.0,
+    window_s: float = 5.0,
+    limit_s: float = 150.0,
+    hang_timeout_s: float = 60.0,
+    processes: int = 1,
+    server_pid: int | None = None,
+    failures_path: str | None = None,
+    report: Callable[[str, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """``n`` simulated ranks on the store at ``port``, in ``processes`` processes (1: in this one, as it is): the
+    steady state over ``window_s`` after ``warmup_s``, then, unless ``killed`` is empty, the failure of the ``killed``
+    ranks. ``report(stage, what)`` hears of each stage as it ends ("connected", "steady")."""
+    report = report or (lambda stage, what: None)
+    survivors = [r for r in range(n) if r not in killed]
+    common = (n, port, f"relaxsync/bench/{time.time_ns()}/membership", killed, survivors[-1], hang_timeout_s)
+    started = time.monotonic()
+    if processes == 1:
+        if failures_path:
+            load_failures(failures_path)
+        shards: list[Any] = [Local(list(range(n)), *common)]
+    else:
+        shards = [Remote(failures_path, SWITCH_S, list(range(i, n, processes)), *common) for i in range(processes)]
+    for shard in shards:
+        shard.ready()
+
+    def ask(name: str, *args: Any) -> list[Any]:
+        for shard in shards:
+            shard.ask(name, *args)
+        return [shard.answer() for shard in shards]
+
+    def totals() -> dict[str, Any]:
+        parts, server = ask("totals"), cpu_s(server_pid) if server_pid else float("nan")
+        calls: dict[str, int] = {}
+        for part in parts:
+            for method, v in part["calls"].items():
+                calls[method] = calls.get(method, 0) + v
+        total = {k: sum(p[k] for p in parts) for k in ("keys", "beat_calls", "beat_keys", "ticks", "cpu_s")}
+        return {**total, "calls": calls, "time": time.monotonic(), "server_cpu_s": server}
+
+    report("connected", {"setup_s": time.monotonic() - started})
+    time.sleep(warmup_s)
+    first = totals()
+    time.sleep(window_s)
+    last = totals()
+    result = {"n": n, "processes": processes, "setup_s": first["time"] - started - warmup_s}
+    result["steady"] = steady(first, last, n)
+    report("steady", result)
+    if not killed:
+        ask("close")
+        return {**result, "failure": None}
+
+    ask("kill", killed)
+    failed_at = time.monotonic()
+    ask("fail")
+    outcomes = ask("outcome", failed_at + limit_s)
+    end = totals()
+    ranks = {r: out for part in outcomes for r, out in part["ranks"].items()}
+    ask("close")
+    done = {r: out["recovered"] - failed_at for r, out in ranks.items() if "recovered" in out}
+    agreed = [json.loads(out["agreed"]) for out in ranks.values() if "agreed" in out]
+    failure = {
+        "killed": killed,
+        "survivors": len(survivors),
+        "finished": len(done),
+        "all_finished": len(done) == len(survivors),
+        "errors": sorted({out["error"] for out in ranks.values() if "error" in out})[:5],
+        "agreed_alike": len({out["agreed"] for out in ranks.values() if "agreed" in out}) == 1
+        and len(done) == len(survivors),
+        "removed": sorted({r for a in agreed for r in a["change"]["removed"]}),
+        "removed_exactly_killed": bool(agreed) and all(a["change"]["removed"] == killed for a in agreed),
+        "behind_agreed": bool(agreed) and all(a["behind"] == [survivors[-1]] for a in agreed),
+        "groups_formed": sum(part["formed"] for part in outcomes),
+        "entered_s": summary(out["entered"] - failed_at for out in ranks.values()),  # the simulation's own lag
+        "decided_s": summary(out["decided"] - failed_at for out in ranks.values() if out["decided"] is not None),
+        "recovered_s": summary(done.values()),
+        "survivor_cpu_s": summary(out["cpu_s"] for out in ranks.values() if "cpu_s" in out),  # its own, in recover
+        "recovery_calls": sum(end["calls"].values()) - sum(last["calls"].values()),
+        "recovery_keys": end["keys"] - last["keys"],
+        "recovery_wall_s": end["time"] - failed_at,
+        # cores busy from the end of the window to the last survivor's recovery: simulating it, serving it
+        "recovery_simulation_cpu": (end["cpu_s"] - last["cpu_s"]) / (end["time"] - last["time"]),
+        "recovery_server_cpu": (end["server_cpu_s"] - last["server_cpu_s"]) / (end["time"] - last["time"]),
+    }
+    failure["recovery_calls_per_survivor"] = failure["recovery_calls"] / max(len(survivors), 1)
+    return {**result, "failure": failure}
+
+
+def steady(first: dict[str, Any], last: dict[str, Any], n: int) -> dict[str, Any]:
+    """The steady state between two :func:`simulate` totals."""
+    elapsed = last["time"] - first["time"]
+    calls = {m: last["calls"].get(m, 0) - first["calls"].get(m, 0) for m in last["calls"]}
+    ticks = last["ticks"] - first["ticks"]
+    return {
+        "window_s": elapsed,
+        "calls_per_s": sum(calls.values()) / elapsed,
+        "keys_per_s": (last["keys"] - first["keys"]) / elapsed,
+        "calls_per_s_by_method": {m: v / elapsed for m, v in sorted(calls.items())},
+        "beats_per_rank_s": ticks / n / elapsed,  # the period asks for 1 / BEAT_S
+        "calls_per_tick": (last["beat_calls"] - first["beat_calls"]) / max(ticks, 1),  # per rank, its heartbeat
+        "keys_per_tick": (last["beat_keys"] - first["beat_keys"]) / max(ticks, 1),
+        "simulation_cpu": (last["cpu_s"] - first["cpu_s"]) / elapsed,  # cores busy in the simulating processes
+        "server_cpu": (last["server_cpu_s"] - first["server_cpu_s"]) / elapsed,  # ... in the store's server
+    }
 
 
 def summary(values: Any) -> dict[str, float] | None:
@@ -370,10 +459,10 @@ def summary(values: Any) -> dict[str, float] | None:
 
 # ---- one size in processes of its own ------------------------------------------------------------------------------
 def one(args: argparse.Namespace) -> None:
-    """``--one N``: the simulation of one size, in this process; prints each stage's result as a JSON line as it
-    ends (``connected``, ``steady``, ``result``), so that a size cut off by its time limit still says how far it got."""
+    """``--one N``: the simulation of one size; prints each stage's result as a JSON line as it ends (``connected``,
+    ``steady``, ``result``), so that a size cut off by its time limit still says how far it got."""
     raise_file_limit()
-    version = load_failures_from(args.failures_from) if args.failures_from else code_version()
+    path, version = failures_at(args.failures_from) if args.failures_from else (None, code_version())
     n = args.one
     killed = list(range(n // 2, n // 2 + args.kill))  # (sorted, as a decision names them)
 
@@ -381,18 +470,28 @@ def one(args: argparse.Namespace) -> None:
         print(f"{stage} " + json.dumps({**what, "failures_code": version}), flush=True)
 
     result = simulate(
-        n, args.port, killed, args.warmup, args.window, args.limit, args.hang_timeout, args.server_pid, report
-    )
+        n, args.port, killed, args.warmup, args.window, args.limit, args.hang_timeout, args.processes,
+        args.server_pid, path, report,
+    )  # fmt: skip
     report("result", result)
-    os._exit(0)  # (ranks that never finished are threads blocked in the store: nothing to wait for)
+    os._exit(0)
 
 
 def run_size(n: int, rev: str | None, args: argparse.Namespace) -> dict[str, Any]:
     """Start the store's server and the simulation of ``n`` ranks (engine/failures.py at ``rev``, or the working
-    tree's), each in a process of its own; return the simulation's result, or as much of it as it reached within
-    ``--setup-limit`` + ``--warmup`` + ``--window`` + ``--limit`` seconds."""
+    tree's), each in processes of their own; return the simulation's result, or as much of it as it reached within
+    ``--setup-limit`` + ``--warmup`` + ``--window`` + ``--limit`` seconds.
+
+    c10d looks up the name of the address of every connection it makes, at both ends, and this machine's resolver
+    leaves about one lookup in 25 unanswered for 5 s: its processes are told to give up after 1 s (``RES_OPTIONS``),
+    which only shortens the setup (the name is for c10d's own logs)."""
+    env = dict(os.environ, RES_OPTIONS="timeout:1 attempts:1")
     server = subprocess.Popen(
-        [sys.executable, "-m", "bench.membership", "--serve"], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        [sys.executable, "-m", "bench.membership", "--serve"],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
     )
     try:
         port = int(server.stdout.readline())
@@ -400,11 +499,12 @@ def run_size(n: int, rev: str | None, args: argparse.Namespace) -> dict[str, Any
             sys.executable, "-m", "bench.membership", "--one", str(n), "--port", str(port),
             "--server-pid", str(server.pid), "--kill", str(args.kill), "--warmup", str(args.warmup),
             "--window", str(args.window), "--limit", str(args.limit), "--hang-timeout", str(args.hang_timeout),
+            "--processes", str(args.processes),
         ]  # fmt: skip
         if rev:
             command += ["--failures-from", rev]
         budget = args.setup_limit + args.warmup + args.window + args.limit
-        sim = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        sim = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             out, err = sim.communicate(timeout=budget)
         except subprocess.TimeoutExpired:
@@ -583,10 +683,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="64,256,1024", help="numbers of simulated ranks")
     parser.add_argument("--code", default="tree", help="engine/failures.py to run: tree (the working tree's), git revs")
     parser.add_argument("--kill", type=int, default=1, help="ranks that fail at once (from the middle rank on)")
-    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of heartbeats before the window")
+    parser.add_argument("--warmup", type=float, default=15.0, help="seconds of heartbeats before the window")
     parser.add_argument("--window", type=float, default=5.0, help="seconds over which the steady state is counted")
     parser.add_argument("--limit", type=float, default=150.0, help="seconds after the failure before giving up")
     parser.add_argument("--setup-limit", type=float, default=240.0, help="seconds to connect and start every rank")
+    parser.add_argument("--processes", type=int, default=4, help="processes the simulated ranks are spread over")
     parser.add_argument("--hang-timeout", type=float, default=60.0, help="trainer.hang_timeout_s (its default)")
     parser.add_argument("--form-group", default="2,4,8", help="process counts at which to time real gloo groups")
     parser.add_argument("--server-capacity", type=int, default=1, help="1: also measure what the store serves")
