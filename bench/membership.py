@@ -2,36 +2,38 @@
 the code a worker runs) against one real c10d ``TCPStore``, at the sizes of a cluster of a thousand nodes, on one
 machine.
 
-    python -m bench.membership [--sizes 64,256,1024] [--code tree,REV] [--kill 1] [--window 5] [--limit 150]
+    python -m bench.membership [--sizes 64,256,1024] [--code tree,REV] [--processes 4] [--kill 1] [--limit 150]
 
-Each size runs in a process of its own, beside a second process that holds the store's server (as torchrun's agent
-holds it, away from the workers). That process runs the N simulated ranks as threads: per rank a ``Membership`` with
-a store connection of its own, its ``Failures`` and the heartbeat thread that ``Heartbeat.start`` starts on a second
-connection (``Membership.every`` clones it), at the real period ``BEAT_S``. Threads, not processes: a thousand Python
-processes (~100 MB each with torch) do not fit this machine, while two thousand threads that wait on sockets most of
-the time do, and the store's server, the part every rank shares, is a real one in a process of its own. What the
-threads do not give is what a real rank has: a core of its own for its client-side work. All ranks' Python work
-shares this machine's cores (the GIL: one at a time), so a size at which the simulated ranks' own work outgrows
-that is reported as such (beats per rank and second below the period's 5, the simulation's CPU).
+Each size runs in processes of its own: one holds the store's server (as torchrun's agent holds it, away from the
+workers), and ``--processes`` others share the N simulated ranks, as threads: per rank a ``Membership`` with a store
+connection of its own, its ``Failures`` and the heartbeat thread that ``Heartbeat.start`` starts on a second
+connection (``Membership.every`` clones it), at the real period ``BEAT_S``, and a thread that stands for the rank's
+training loop. Threads, not a process per rank: a thousand Python processes with torch (~100 MB each) do not fit
+this machine, two thousand threads that wait on sockets most of the time do; a few processes, because one
+interpreter runs one thread at a time and a thousand ranks' client-side work needs more than one core here. What a
+real rank has and a simulated one has not is a core of its own: the ranks' own work shares this machine's cores, so
+the beats per rank and second (5 at the period) and the cores busy are reported with every number.
 
 Only the group formation is replaced: ``distributed.membership.form_group`` (``new_group`` and a first collective)
 returns a placeholder; everything else in ``Membership.propose/adopt`` and ``Failures.recover`` is the real code.
-What forming a real gloo group costs is measured apart, at the sizes this machine can start (``--form-group``).
+What forming a real gloo group costs is measured apart, at the sizes this machine can start (``--form-group``), and
+so is what the store's server serves at most here (``--server-capacity``).
 
-Measured per size, after ``--warmup`` s: (a) the steady state over ``--window`` s: every call the ranks make on
-their store connections, counted client side by a thin wrapper (one call is one request to the server: ``multi_get``
-of k keys is one call naming k keys), as calls/s and keys/s, per rank and heartbeat tick, and the server process's
-CPU; (b) a failure: ``--kill`` ranks stop beating and, at the same moment, every other rank's collective fails with
-gloo's "Connection closed by peer" (as a dead peer's closed sockets make it fail); each survivor runs
-``Failures.recover`` at once. Reported: seconds from the failure until each survivor holds the agreed decision
-(``Membership.adopt`` called: median, max) and until the last survivor's ``recover`` returned (the change adopted
-and the positions exchanged), and whether every survivor agreed on exactly the killed ranks. A size that has not
-finished ``--limit`` s after the failure is reported as not finished, with how many survivors had.
+Measured per size, after ``--warmup`` s (long enough for every heartbeat to have read every peer once): (a) the
+steady state over ``--window`` s: every call the ranks make on their store connections, counted client side by a
+thin wrapper (one call is one request to the server: ``multi_get`` of k keys is one call naming k keys), as calls/s
+and keys/s, per rank and heartbeat tick, and the server process's CPU; (b) a failure: ``--kill`` ranks stop beating
+and, at the same moment, every other rank's collective fails with gloo's "Connection closed by peer" (as a dead
+peer's closed sockets make it fail); each survivor runs ``Failures.recover`` at once. Reported: seconds from the
+failure until each survivor holds the agreed decision (``Membership.adopt`` called: median, max) and until the last
+survivor's ``recover`` returned (the change adopted and the positions exchanged), each survivor's own CPU in it, and
+whether every survivor agreed on exactly the killed ranks. A size that has not finished ``--limit`` s after the
+failure is reported as not finished, with what it reached.
 
 ``--code`` names the engine/failures.py to run: ``tree`` (the working tree's) and git revisions, whose file is loaded
 in place of the tree's (everything else as in the working tree); with several, each size runs with each, side by
-side, alternating which goes first. Results: bench/results/membership.json and membership.md (``--merge`` keeps the
-rows there of other sizes and code); read in docs/benchmarks/membership.md.
+side, alternating which goes first. Results: bench/results/membership.json, membership.md and membership.png
+(``--merge`` keeps the rows there of other sizes and code); read in docs/benchmarks/membership.md.
 """
 
 from __future__ import annotations
@@ -201,10 +203,12 @@ class Shard:
 
             def __init__(self, rank: int, store: CountingStore):
                 super().__init__(rank, n, group=None)
-                self._prefix = prefix  # (every rank's, as across processes; made in one here)
                 self._store = store
                 self.group = None
                 self.decided_at: float | None = None
+
+            def key(self, name: str) -> str:
+                return f"{prefix}/{name}"  # (every rank's, as across processes: here one process makes several)
 
             def adopt(self, agreed: dict[str, Any], reasons: Any = None, abort_replaced: bool = False) -> Any:
                 self.decided_at = time.monotonic()
@@ -219,6 +223,7 @@ class Shard:
             list(pool.map(lambda f: f.heartbeat.start(), self.failures.values()))
         self.tallies = [s.tally for s in stores.values()] + [t for s in stores.values() for t in s.clones]
         self.beats = [t for s in stores.values() for t in s.clones]
+        self.own = [s.tally for s in stores.values()]
 
         self.collective = threading.Event()
         self.outcomes: dict[int, dict[str, Any]] = {}
@@ -252,10 +257,12 @@ class Shard:
             keys += k
             for method, v in by_method.items():
                 calls[method] = calls.get(method, 0) + v
-        beats = [t.snapshot() for t in self.beats]
+        beats, own = [t.snapshot() for t in self.beats], [t.snapshot() for t in self.own]
         return {
             "calls": calls,
             "keys": keys,
+            "agreement_calls": sum(sum(c.values()) for c, _ in own),  # (a rank's own connection: the agreement's)
+            "agreement_keys": sum(k for _, k in own),
             "beat_calls": sum(sum(c.values()) for c, _ in beats),
             "beat_keys": sum(k for _, k in beats),
             "ticks": sum(c.get("add", 0) for c, _ in beats),  # one add of the rank's own counter per tick
@@ -381,7 +388,8 @@ def simulate(
         for part in parts:
             for method, v in part["calls"].items():
                 calls[method] = calls.get(method, 0) + v
-        total = {k: sum(p[k] for p in parts) for k in ("keys", "beat_calls", "beat_keys", "ticks", "cpu_s")}
+        summed = ("keys", "agreement_calls", "agreement_keys", "beat_calls", "beat_keys", "ticks", "cpu_s")
+        total = {k: sum(p[k] for p in parts) for k in summed}
         return {**total, "calls": calls, "time": time.monotonic(), "server_cpu_s": server}
 
     report("connected", {"setup_s": time.monotonic() - started})
@@ -421,14 +429,18 @@ def simulate(
         "decided_s": summary(out["decided"] - failed_at for out in ranks.values() if out["decided"] is not None),
         "recovered_s": summary(done.values()),
         "survivor_cpu_s": summary(out["cpu_s"] for out in ranks.values() if "cpu_s" in out),  # its own, in recover
+        # what the agreement itself asked (the ranks' own connections; the heartbeats have theirs), and all calls
+        "agreement_calls": end["agreement_calls"] - last["agreement_calls"],
+        "agreement_keys": end["agreement_keys"] - last["agreement_keys"],
         "recovery_calls": sum(end["calls"].values()) - sum(last["calls"].values()),
         "recovery_keys": end["keys"] - last["keys"],
         "recovery_wall_s": end["time"] - failed_at,
+        "recovery_beats_per_rank_s": (end["ticks"] - last["ticks"]) / n / (end["time"] - last["time"]),
         # cores busy from the end of the window to the last survivor's recovery: simulating it, serving it
         "recovery_simulation_cpu": (end["cpu_s"] - last["cpu_s"]) / (end["time"] - last["time"]),
         "recovery_server_cpu": (end["server_cpu_s"] - last["server_cpu_s"]) / (end["time"] - last["time"]),
     }
-    failure["recovery_calls_per_survivor"] = failure["recovery_calls"] / max(len(survivors), 1)
+    failure["recovery_calls_per_survivor"] = failure["agreement_calls"] / max(len(survivors), 1)
     return {**result, "failure": failure}
 
 
@@ -602,15 +614,18 @@ def _form_group_rank(rank: int, n: int, port: int, out: str) -> None:
 
     from distributed.membership import form_group
 
-    store = dist.TCPStore("127.0.0.1", port, n, rank == 0, timeout=datetime.timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
+    timeout = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, n, rank == 0, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timeout)
     times: dict[str, list[float]] = {"all": [], "survivors": []}
-    for _ in range(FORM_GROUP_REPEATS):
-        for name, ranks in (("all", list(range(n))), ("survivors", list(range(n - 1)))):
+    # Every group of all ranks first: the last rank forms none after them, as a removed rank forms none (a rank that
+    # skipped a group and formed the next would name it differently from the others).
+    for name, ranks in (("all", list(range(n))), ("survivors", list(range(n - 1)))):
+        for _ in range(FORM_GROUP_REPEATS):
             dist.barrier()
             if rank in ranks:
                 start = time.perf_counter()
-                form_group(ranks)
+                form_group(ranks, timeout)
                 times[name].append(time.perf_counter() - start)
     dist.barrier()
     Path(out, f"{rank}.json").write_text(json.dumps(times))
@@ -650,7 +665,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| engine/failures.py | ranks | store calls/s | keys/s | calls per rank per tick | keys per rank per tick | "
         "beats per rank/s | server CPU | decided median (s) | decided max (s) | last recovered (s) | "
-        "agreed on the killed rank | recovery calls per survivor |",
+        "agreed on the killed rank | agreement's calls per survivor |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -671,6 +686,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         if not f["all_finished"]:
             last = f"not finished ({f['finished']}/{f['survivors']} in {num(f['recovery_wall_s'], '{:.0f}')} s)"
         agreed = "yes" if f["removed_exactly_killed"] and f["agreed_alike"] else f"no: {str(f['removed'])[:40]}"
+        agreed = agreed if f["finished"] else "–"
         lines.append(
             f"{steady} {num(decided.get('median'))} | {num(decided.get('max'))} | {last} | {agreed} | "
             f"{f['recovery_calls_per_survivor']:,.0f} |"
@@ -678,12 +694,67 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Ranks against agreement time and against what the store was asked, one line per engine/failures.py."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (agree, asked) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for code in sorted({r.get("failures_code", r["code"])[:7] for r in rows}):
+        mine = sorted((r for r in rows if r.get("failures_code", r["code"])[:7] == code), key=lambda r: r["n"])
+        done = [r for r in mine if r.get("failure") and r["failure"]["all_finished"]]
+        line = agree.plot(
+            [r["n"] for r in done], [r["failure"]["decided_s"]["max"] for r in done], "o-", label=f"{code}: decided"
+        )[0]
+        agree.plot(
+            [r["n"] for r in done],
+            [r["failure"]["recovered_s"]["max"] for r in done],
+            "s--",
+            color=line.get_color(),
+            label=f"{code}: last survivor done",
+        )
+        for r in mine:
+            if r.get("steady") and not (r.get("failure") and r["failure"]["all_finished"]):
+                limit = r["limit_s"]
+                agree.plot([r["n"]], [limit], "x", color=line.get_color(), markersize=10)
+                agree.annotate(f"no decision\nin {limit:.0f} s", (r["n"], limit), (-8, -30), "data", "offset points",
+                               ha="right", color=line.get_color())  # fmt: skip
+        steady = [r for r in mine if r.get("steady")]
+        asked.plot([r["n"] for r in steady], [r["steady"]["keys_per_s"] for r in steady], "o-", label=f"{code}: keys/s")
+        asked.plot(
+            [r["n"] for r in steady],
+            [r["steady"]["calls_per_s"] for r in steady],
+            "s--",
+            color=line.get_color(),
+            label=f"{code}: calls/s",
+        )
+        asked.plot(  # what the heartbeats ask at their period, served or not
+            [r["n"] for r in steady],
+            [r["steady"]["keys_per_tick"] * r["n"] * 5 for r in steady],
+            ":",
+            color=line.get_color(),
+            label=f"{code}: keys/s at 5 beats/s",
+        )
+    agree.set(xscale="log", yscale="log", xlabel="ranks", ylabel="seconds after the failure")
+    agree.set_title("agreement after a rank dies")
+    asked.set(xscale="log", yscale="log", xlabel="ranks", ylabel="per second, all ranks")
+    asked.set_title("store, steady state (counted client side)")  # (the period: 1 / BEAT_S = 5 ticks a second)
+    for ax in (agree, asked):
+        ax.set_xticks([64, 256, 1024], ["64", "256", "1024"])
+        ax.legend(fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="64,256,1024", help="numbers of simulated ranks")
     parser.add_argument("--code", default="tree", help="engine/failures.py to run: tree (the working tree's), git revs")
     parser.add_argument("--kill", type=int, default=1, help="ranks that fail at once (from the middle rank on)")
-    parser.add_argument("--warmup", type=float, default=15.0, help="seconds of heartbeats before the window")
+    parser.add_argument("--warmup", type=float, default=30.0, help="seconds of heartbeats before the window")
     parser.add_argument("--window", type=float, default=5.0, help="seconds over which the steady state is counted")
     parser.add_argument("--limit", type=float, default=150.0, help="seconds after the failure before giving up")
     parser.add_argument("--setup-limit", type=float, default=240.0, help="seconds to connect and start every rank")
@@ -717,7 +788,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, n in enumerate(sizes):
         for code in versions if i % 2 == 0 else versions[::-1]:
             print(f"bench.membership: {n} ranks, engine/failures.py {code}", flush=True)
+            load = os.getloadavg()[0]  # (other work on the machine, for the record)
             row = {"code": code, "command": command.strip(), **run_size(n, None if code == "tree" else code, args)}
+            row["load_average"] = [load, os.getloadavg()[0]]  # (1 min, before and after)
+            row["limit_s"] = args.limit
             rows.append(row)
             print(json.dumps(row), flush=True)
     groups = form_group_cost([int(s) for s in args.form_group.split(",") if s]) if args.form_group else []
@@ -738,6 +812,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "membership.json").write_text(json.dumps(result, indent=1) + "\n")
     text = table(result["rows"])
     (out / "membership.md").write_text(text + "\n")
+    plot(result["rows"], out / "membership.png")
     print(text)
     minutes = (time.perf_counter() - started) / 60
     print(f"bench.membership: {minutes:.1f} min; results in {out}/membership.json and membership.md")
