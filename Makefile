@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-full test-gpu chaos lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-soak bench-tta clean
+.PHONY: help venv train test test-full test-gpu chaos lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-soak bench-tta bench-membership clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -46,7 +46,7 @@ format: $(STAMP) ## ruff format + autofix
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-soak bench-tta ## run every benchmark (results: docs/benchmarks/)
+bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-soak bench-tta bench-membership ## run every benchmark (results: docs/benchmarks/)
 
 bench-overhead: $(STAMP) ## our allreduce loop vs a plain torch DDP loop (samples/s ratio)
 	$(PY) -m bench.overhead $(ARGS)
@@ -80,6 +80,9 @@ bench-soak: $(STAMP) ## (~1 h) failures that keep coming (kill, hang, a join in 
 
 bench-tta: $(STAMP) ## (root) time to a target top-1 per sync option on slow and uneven emulated clusters (~32 min)
 	$(PY) -m bench.tta $(ARGS)
+
+bench-membership: $(STAMP) ## the failure agreement simulated at 64, 256, 1024 ranks on one store: agreement s, store calls/s
+	$(PY) -m bench.membership $(ARGS)
 
 clean: ## remove run outputs (keeps .venv)
 	rm -rf outputs multirun .pytest_cache

@@ -9,7 +9,8 @@ peer is gone a collective then fails on the survivors in one of two ways: at onc
 signal, stuck in a file system or a driver). Either way :meth:`Failures.recover` runs on each survivor:
 
 1. it checks in under the membership's generation and waits until every other active rank has either checked
-   in too (it saw the failure as well) or has not beaten for :data:`SILENT_S` seconds by this rank's clock;
+   in too (it saw the failure as well) or has not beaten for :data:`SILENT_S` seconds by this rank's clock, or
+   until another survivor has decided;
 2. it proposes the silent ranks for removal (first writer wins, :meth:`Membership.propose`) and adopts what was
    agreed: the survivors form a new group; a removed rank that is still alive (a hung one that wakes up) finds
    the decision already made when its own collective fails, and leaves with status 0 (``LeftRun``) without
@@ -22,7 +23,11 @@ signal, stuck in a file system or a driver). Either way :meth:`Failures.recover`
    is, as torchft heals a replica from a live peer. Nobody applies a step that the others do not.
 
 The store lives with torchrun's agent on the first node: if that node dies there is nothing to agree through,
-and the survivors stop with the store's error (docs/failures.md).
+and the survivors stop with the store's error (docs/failures.md). It is one server for the whole run, so what each
+rank asks of it does not grow with the number of ranks: a heartbeat tick reads a few peers' counters, not all of
+them; the survivors check in on one list and a counter, not a key each; only the first few to check in watch the
+others closely, the rest mostly wait for the decision; and the survivors' positions are written to one list
+(docs/benchmarks/membership.md measures it at up to 1024 ranks).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 from typing import Any
 
 import torch.distributed as dist
@@ -42,6 +48,8 @@ from distributed.membership import Change, Membership, StoreLoop
 
 BEAT_S = 0.2  # heartbeat period
 SILENT_S = 2.0  # a rank that has not beaten for this long (10 beats) is gone
+WATCHED = 16  # peers whose beats one heartbeat tick reads, in turn (all of them every tick up to 17 ranks)
+DECIDERS = 4  # the first survivors to check in, which watch the others closely until they can decide
 TIMED_OUT = re.compile(r"timed out", re.IGNORECASE)
 # What a survivor reads when the peer's process is gone (gloo; NCCL's ncclRemoteError): the loss is "died";
 # any other failure of a collective is counted "hung" unless another survivor saw one of these.
@@ -102,17 +110,18 @@ class Recovery:
     event: dict[str, Any]  # the ``rank_lost`` event, the same on every survivor
     where: dict[int, list]  # each survivor's ``[step, phase]`` when its collective failed (read alike by all)
 
-    @property
+    # (each reads every survivor's position once: at a thousand ranks, not for every use)
+    @cached_property
     def front(self) -> Position:
         """The furthest position, where the survivors go on from."""
         return Position.read(left_behind(self.where)[0])
 
-    @property
+    @cached_property
     def behind(self) -> list[int]:
         """The survivors one collective short of the front: healed from :attr:`source`."""
         return left_behind(self.where)[1]
 
-    @property
+    @cached_property
     def source(self) -> int:
         """The lowest rank at the front."""
         front = self.front
@@ -140,20 +149,26 @@ def may_be_a_loss(error: BaseException) -> bool:
 
 class Heartbeat:
     """A background thread that adds 1 to this rank's beat counter in the store every :data:`BEAT_S` seconds and,
-    in the same tick, reads the other ranks' counters (one ``multi_get``): when a collective fails, how long each
-    peer has already been silent is known by this rank's clock, so a peer that hung long before is recognised at
-    once instead of after watching it for another :data:`SILENT_S`."""
+    in the same tick, reads the counters of :data:`WATCHED` other ranks, the next ones in turn (one ``multi_get``):
+    when a collective fails, how long each peer has already been silent is known by this rank's clock, so a peer
+    that hung long before is recognised at once instead of after watching it for another :data:`SILENT_S`.
+
+    Each peer is read every ``ceil((N - 1) / WATCHED)`` ticks: every tick up to 17 ranks, every 12.8 s at 1024. A
+    peer silent for that long plus :data:`SILENT_S` before a collective fails is recognised at once; a hang's
+    collective fails after ``trainer.hang_timeout_s`` (60 s), which leaves room for it up to several thousand ranks.
+    Reading every peer every tick would have the store serve N² keys per tick, 5 million a second at 1024 ranks."""
 
     def __init__(self, membership: Membership):
         self.membership = membership
         self._loop: StoreLoop | None = None
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it last changed: time.monotonic)
+        self._next = 0  # where among the active ranks the next tick's reads begin
 
     def key(self, rank: int) -> str:
         return self.membership.key(f"beat/{rank}")
 
     def seen(self) -> dict[int, tuple[int, float]]:
-        """Each peer's last beat count read by the thread, and when it was last seen to change."""
+        """Each peer's last beat count read by the thread, and when it was first read at that count."""
         return dict(self._seen)
 
     def start(self) -> None:
@@ -171,9 +186,18 @@ class Heartbeat:
 
     def _watch(self, store: Any) -> None:
         m = self.membership
-        peers = [r for r in list(m.ranks) if r != m.rank]
+        ranks = m.ranks  # (a change replaces the list, never edits it)
+        peers, i = [], self._next
+        while len(peers) < min(WATCHED, len(ranks) - 1):
+            if ranks[i % len(ranks)] != m.rank:
+                peers.append(ranks[i % len(ranks)])
+            i += 1
+        self._next = i % max(len(ranks), 1)
         keys = [self.key(r) for r in peers]
-        if not keys or not store.check(keys):  # (a peer's first beat may not be there yet)
+        if any(r not in self._seen for r in peers) and not store.check(keys):
+            peers = [r for r, k in zip(peers, keys) if store.check([k])]  # (a peer's first beat may not be there yet)
+            keys = [self.key(r) for r in peers]
+        if not keys:
             return
         now = time.monotonic()
         for r, value in zip(peers, store.multi_get(keys)):
@@ -226,21 +250,21 @@ class Failures:
     def _recover(self, error: BaseException, at: Position) -> Recovery | None:
         m, generation = self.membership, self.membership.generation
         cause = "died" if DIED.search(str(error)) else "hung"
-        decision = self._key(generation, "decision")
-        if m.store.check([decision]):  # decided without this rank: it was hung, or it is late
-            agreed = json.loads(m.store.get(decision))
-        else:
-            m.store.set(self._key(generation, f"in/{m.rank}"), cause)
-            gone, undecided = self._silent_peers(generation)
+        agreed = self._decided(generation)  # (decided without this rank: it was hung, or it is late)
+        if agreed is None:
+            arrived = self._check_in(generation, m.rank, cause)
+            gone, undecided = self._silent_peers(generation, decider=arrived <= DECIDERS)
             if undecided:  # alive, and elsewhere: an error of this rank's own, not a loss
                 error.add_note(
                     f"relaxsync: rank(s) {undecided} kept beating but never reached this failure in "
                     f"{self.hang_timeout_s + SILENT_S:.0f} s: no peer is gone"
                 )
                 return None
+            agreed = self._decided(generation)
+        if agreed is None:
             # A survivor waiting on another survivor times out even when the peer died: it died if anyone saw
             # its connection close.
-            seen = [m.store.get(self._key(generation, f"in/{r}")).decode() for r in m.ranks if r not in gone]
+            seen = [c for r, c in self._checked_in(generation).items() if r not in gone]
             proposal = {
                 "ranks": gone,
                 "cause": "died" if "died" in seen else "hung",
@@ -253,10 +277,7 @@ class Failures:
         what = f"as {agreed['cause']} at step {agreed['step']}"
         change = m.adopt(agreed, {r: f"was removed from the run {what}" for r in agreed["ranks"]}, abort_replaced=True)
         assert change is not None  # adopt raises on a removed rank, and the agreed ranks were active
-        m.store.set(self._key(generation, f"at/{m.rank}"), json.dumps(at.wire()))
-        keys = [self._key(generation, f"at/{r}") for r in change.ranks]
-        m.store.wait(keys, datetime.timedelta(seconds=self.hang_timeout_s))
-        where = {r: json.loads(m.store.get(k)) for r, k in zip(change.ranks, keys)}
+        where = self._positions(generation, change.ranks, at)
         # Every survivor read the same positions, so all agree on the front and on who is healed from it.
         front, behind = left_behind(where)
         event = {
@@ -285,25 +306,88 @@ class Failures:
             return box[0]
         return None
 
-    def _silent_peers(self, generation: int) -> tuple[list[int], list[int]]:
+    def _decided(self, generation: int) -> dict[str, Any] | None:
+        """What the survivors of ``generation``'s failure agreed, if one of them has decided yet."""
+        decision = self._key(generation, "decision")
+        return json.loads(self.membership.store.get(decision)) if self.membership.store.check([decision]) else None
+
+    def _check_in(self, generation: int, rank: int, cause: str) -> int:
+        """Write that ``rank`` saw the failure of ``generation``, as ``cause`` ("died" or "hung"), and return how many
+        ranks have checked in so far, itself included. One list and one counter for all ranks, not a key each: who
+        has checked in is then learnt with two reads, whatever the number of ranks."""
+        self.membership.store.append(self._key(generation, "in"), f"{rank} {cause},")
+        return int(self.membership.store.add(self._key(generation, "in/count"), 1))
+
+    def _checked_in(self, generation: int) -> dict[int, str]:
+        """Each rank checked in under ``generation`` (one has, at least), with the cause it saw."""
+        text = self.membership.store.get(self._key(generation, "in")).decode()
+        return {int(rank): cause for rank, cause in (entry.split(" ") for entry in text.split(",") if entry)}
+
+    def _positions(self, generation: int, ranks: list[int], at: Position) -> dict[int, list]:
+        """Collective over ``ranks``, the survivors of ``generation``'s failure: each writes where it was, ``at``; all
+        read every survivor's ``[step, phase]``. One list the survivors append to, and a counter; the last to write
+        marks the list complete, which the others wait for (at most ``hang_timeout_s``: a survivor lost meanwhile
+        makes the wait fail, and the caller agrees again)."""
+        store, complete = self.membership.store, self._key(generation, "at/complete")
+        store.append(self._key(generation, "at"), f"{self.membership.rank} {at.step} {at.phase.value}\n")
+        if int(store.add(self._key(generation, "at/count"), 1)) == len(ranks):
+            store.set(complete, "1")
+        store.wait([complete], datetime.timedelta(seconds=self.hang_timeout_s))
+        survivors, where = set(ranks), {}
+        for line in store.get(self._key(generation, "at")).decode().splitlines():
+            rank, step, phase = line.split(" ", 2)  # (a phase's name may have a space)
+            if int(rank) in survivors:
+                where[int(rank)] = [int(step), phase]
+        return where
+
+    def _silent_peers(self, generation: int, decider: bool = True) -> tuple[list[int], list[int]]:
         """Wait until every other active rank has checked in under ``generation`` or been silent for
-        :data:`SILENT_S`; return the silent ones, and those still beating without having checked in when the wait
-        ends (``hang_timeout_s`` + ``SILENT_S``)."""
+        :data:`SILENT_S`, or another survivor has decided (the caller then adopts that, whatever this rank saw); return
+        the silent ones, and those still beating without having checked in when the wait ends (``hang_timeout_s`` +
+        ``SILENT_S``).
+
+        Only a ``decider`` (one of the first :data:`DECIDERS` to check in) watches from the start, every ``BEAT_S /
+        4``, reading the beats of the ranks not checked in yet. The others wait for the decision in the store (one
+        request, answered when it is written) and watch as a decider does only when none came in ``2 * SILENT_S``
+        (the deciders may be lost as well). So the first to decide is as quick as when everyone watched everyone, and
+        the store is not asked the same question by a thousand ranks twenty times a second."""
         m = self.membership
-        others = [r for r in m.ranks if r != m.rank]
-        # rank -> (last beat count read, when it last changed by our clock): from the heartbeat thread's reads
-        seen = self.heartbeat.seen()
+        decision, count_key = self._key(generation, "decision"), self._key(generation, "in/count")
         start = time.monotonic()
+        if not decider:
+            try:
+                m.store.wait([decision], datetime.timedelta(seconds=2 * SILENT_S))
+                return [], []
+            except dist.DistStoreError:  # (its timeout)
+                pass
+        # rank -> (last beat count read, when it was first read at that count, by our clock): from the heartbeat
+        # thread's reads
+        seen = self.heartbeat.seen()
+        missing = {r for r in m.ranks if r != m.rank}  # not checked in (yet)
+        arrived = 0
         while True:
-            now, silent, waiting = time.monotonic(), [], []
-            for r in others:
-                if m.store.check([self._key(generation, f"in/{r}")]):
-                    continue
-                beat_key = self.heartbeat.key(r)
-                beats = int(m.store.get(beat_key)) if m.store.check([beat_key]) else -1
-                if r not in seen or seen[r][0] != beats:
-                    seen[r] = (beats, now)
+            if m.store.check([decision]):
+                return [], []
+            now_arrived = int(m.store.add(count_key, 0))
+            if now_arrived != arrived:
+                arrived = now_arrived
+                missing.difference_update(self._checked_in(generation))
+            silent, waiting = [], []
+            beats = self._beats(sorted(missing), seen)
+            now = time.monotonic()
+            for r, beats_read in beats.items():
+                if r not in seen or seen[r][0] != beats_read:
+                    seen[r] = (beats_read, now)
                 (silent if now - seen[r][1] >= SILENT_S else waiting).append(r)
             if not waiting or now - start > self.hang_timeout_s + SILENT_S:
                 return silent, waiting
             time.sleep(BEAT_S / 4)
+
+    def _beats(self, ranks: list[int], seen: dict[int, tuple[int, float]]) -> dict[int, int]:
+        """The beat counters of ``ranks`` (-1 for a rank that never beat), with one read when each has beaten."""
+        store, keys = self.membership.store, [self.heartbeat.key(r) for r in ranks]
+        if not keys:
+            return {}
+        if all(seen.get(r, (-1, 0.0))[0] >= 0 for r in ranks) or store.check(keys):
+            return {r: int(value) for r, value in zip(ranks, store.multi_get(keys))}
+        return {r: int(store.get(k)) if store.check([k]) else -1 for r, k in zip(ranks, keys)}

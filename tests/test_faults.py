@@ -461,7 +461,7 @@ def test_when_no_peer_is_gone_the_error_is_raised_again_as_it_was(error):
 
     failures, store, done = _two_ranks_on_one_store(hang_timeout_s=5)
     try:
-        store.set(failures._key(0, "in/1"), "hung")
+        failures._check_in(0, 1, "hung")  # rank 1 saw the failure too
         with pytest.raises(type(error)) as raised:
             failures.recover(error, Position(3, Phase.STEP))
         assert raised.value is error
@@ -535,7 +535,7 @@ def test_a_peer_silent_before_the_failure_is_recognised_without_watching_it_agai
         time.sleep(SILENT_S + 1)  # rank 2 silent for longer than SILENT_S while the heartbeat thread watched
         seen = failures.heartbeat.seen()
         assert time.monotonic() - seen[2][1] >= SILENT_S and time.monotonic() - seen[1][1] < SILENT_S
-        store.set(failures._key(0, "in/1"), "1")  # rank 1 saw the failure too
+        failures._check_in(0, 1, "hung")  # rank 1 saw the failure too
 
         def no_waiting(seconds: float) -> None:
             raise AssertionError("waited to watch a peer that was known to be silent")
