@@ -8,6 +8,13 @@ import pytest
 import torch.distributed as dist
 
 
+@pytest.fixture(autouse=True)
+def _quick_name_lookups(monkeypatch):
+    """c10d looks up the name of every connection's address; a lookup this machine's resolver leaves unanswered
+    would hold a connection 5 s (bench/membership.py does the same for its processes)."""
+    monkeypatch.setenv("RES_OPTIONS", "timeout:1 attempts:1")
+
+
 def simulate(n: int, killed: list[int], window_s: float) -> dict:
     from bench.membership import simulate
 
