@@ -191,7 +191,8 @@ class DiLoCo(Replicas):
         momentum = self.momentum[lo:hi]
         if self.outer_momentum:
             momentum.mul_(self.outer_momentum).add_(delta)
-            update = delta + self.outer_momentum * momentum if self.nesterov else momentum
+            # (torch.optim.SGD's own operations, so it rounds as an outer SGD optimizer does, torchft's among them)
+            update = delta.add(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
         else:
             update = delta
         theta = self.global_params[lo:hi]
