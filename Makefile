@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-full test-gpu chaos lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-soak bench-tta bench-membership clean
+.PHONY: help venv train test test-full test-gpu chaos lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-soak bench-tta bench-membership bench-peers peers clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -18,6 +18,13 @@ $(STAMP): requirements.txt
 	rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP) ## create .venv with the pinned dependencies
+
+PEERS_STAMP := $(VENV)/.peers-$(shell sha1sum requirements-peers.txt | cut -c1-12)
+$(PEERS_STAMP): $(STAMP) requirements-peers.txt
+	$(PY) -m pip install --quiet -r requirements-peers.txt
+	rm -f $(VENV)/.peers-* && touch $@
+
+peers: $(PEERS_STAMP) ## install the peers extra (torchft) into .venv: what bench-peers compares with
 
 train: $(STAMP) ## train ResNet-50 on digits with 2 processes (W&B offline); extra overrides: ARGS="..."
 	$(PY) train.py $(ARGS)
@@ -46,7 +53,7 @@ format: $(STAMP) ## ruff format + autofix
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-soak bench-tta bench-membership ## run every benchmark (results: docs/benchmarks/)
+bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-soak bench-tta bench-membership bench-peers ## run every benchmark (results: docs/benchmarks/)
 
 bench-overhead: $(STAMP) ## our allreduce loop vs a plain torch DDP loop (samples/s ratio)
 	$(PY) -m bench.overhead $(ARGS)
@@ -83,6 +90,9 @@ bench-tta: $(STAMP) ## (root) time to a target top-1 per sync option on slow and
 
 bench-membership: $(STAMP) ## the failure agreement simulated at 64, 256, 1024 ranks on one store: agreement s, store calls/s
 	$(PY) -m bench.membership $(ARGS)
+
+bench-peers: $(PEERS_STAMP) ## (root) ours beside torchft and torch's own averagers, same job, emulated links
+	$(PY) -m bench.peers $(ARGS)
 
 clean: ## remove run outputs (keeps .venv)
 	rm -rf outputs multirun .pytest_cache

@@ -99,6 +99,18 @@ def node_env() -> dict[str, str]:
     return env
 
 
+def torchrun(net: EmulatedNetwork, node: int, job_id: str, port: int, nnodes: int | None = None) -> list[str]:
+    """The launcher line of ``node`` in a job of ``nnodes`` nodes (all of ``net``'s by default) meeting at a c10d
+    rendezvous on the first of them (``nnodes=1``: on ``node`` itself, a job of its own)."""
+    host = net.address(0 if nnodes is None or nnodes > 1 else node)
+    return [
+        TORCHRUN, "--nnodes", str(nnodes or net.nodes), "--nproc-per-node", "1", "--max-restarts", "0",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", job_id,
+        # the first node hosts the rendezvous store; addresses are the namespaces' own
+        "--rdzv-conf", f"is_host={int(net.address(node) == host)}", "--local-addr", net.address(node),
+    ]  # fmt: skip
+
+
 def run_job(
     net: EmulatedNetwork, overrides: list[str], steps: int, job_id: str, port: int, workdir: Path, timeout_s: float
 ) -> dict[str, Any]:
@@ -106,34 +118,36 @@ def run_job(
     returns its metrics and the bytes each node sent (the node logs stay in the run dir)."""
     run_dir = workdir / job_id
     run_dir.mkdir(parents=True)
-    env = node_env()
     train = [
         "train.py", "logger=none", "trainer.progress=false", "trainer.checkpoint_every=0",
         f"trainer.max_steps={steps}", f"trainer.run_dir={run_dir}", f"trainer.netdev={IFACE}", *overrides,
     ]  # fmt: skip
+    commands = [[*torchrun(net, node, job_id, port), *train] for node in range(net.nodes)]
+    return run_nodes(net, run_dir, commands, [node_env()] * net.nodes, timeout_s)
+
+
+def run_nodes(
+    net: EmulatedNetwork, run_dir: Path, commands: list[list[str]], envs: list[dict[str, str]], timeout_s: float
+) -> dict[str, Any]:
+    """``commands[i]`` in node ``i`` (its output in ``run_dir/node<i>.log``) until every one exits; the records in
+    ``run_dir/metrics.jsonl``, the bytes each node sent meanwhile and the wall time. Fails on a non-zero exit."""
     tx_before = [net.tx_bytes(i) for i in range(net.nodes)]
     procs, logs = [], []
     start = time.perf_counter()
-    for node in range(net.nodes):
+    for node, (command, env) in enumerate(zip(commands, envs)):
         log_path = run_dir / f"node{node}.log"
         logs.append(log_path)
-        launcher = [
-            TORCHRUN, "--nnodes", str(net.nodes), "--nproc-per-node", "1", "--max-restarts", "0",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{net.address(0)}:{port}", "--rdzv-id", job_id,
-            # the first node hosts the rendezvous store; addresses are the namespaces' own
-            "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", net.address(node),
-        ]  # fmt: skip
         with open(log_path, "w") as log:
-            procs.append(net.popen(node, [*launcher, *train], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(net.popen(node, command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
         codes = [p.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - start))) for p in procs]
     except subprocess.TimeoutExpired:
         net.stop_all()
-        raise CellFailed(f"{job_id}: no result after {timeout_s:.0f} s\n{_tail(logs)}") from None
+        raise CellFailed(f"{run_dir.name}: no result after {timeout_s:.0f} s\n{_tail(logs)}") from None
     wall_s = time.perf_counter() - start
     net.stop_all()  # nothing left, but make sure
     if any(codes):
-        raise CellFailed(f"{job_id}: exit codes {codes}\n{_tail(logs)}")
+        raise CellFailed(f"{run_dir.name}: exit codes {codes}\n{_tail(logs)}")
     tx = [net.tx_bytes(i) - b for i, b in enumerate(tx_before)]
     return {
         "metrics": read_metrics(str(run_dir / "metrics.jsonl")),

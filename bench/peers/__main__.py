@@ -1,0 +1,290 @@
+"""Ours beside what a user would pick instead, on the same job, in one invocation (needs root and the peers extra).
+
+    pip install -r requirements-peers.txt && sudo make bench-peers
+    python -m bench.peers [--nodes 2,4] [--rates 1gbit,100mbit] [--pairs allreduce,powersgd,localsgd,...]
+                          [--warmup 4] [--window 16] [--compare 20]
+
+The job is bench/network's (``experiment=network``: ResNet-10-T on digits at 76 px, batch 32 per node, momentum
+SGD) on its emulated nodes (``bench/netns.py``, one process per node). Each pair is one run of ours
+(``train.py``, one ``torchrun --nnodes N``) and one of the peer (``bench/peers/worker.py``: our data, model,
+optimizer, schedule and seeds, the peer's sync; torch's peers as one torchrun across the nodes, torchft's as one
+replica group per node on a lighthouse in the first node), side by side at each link rate, with a compute-only
+floor (``sync=none``) at that rate. Ours and the peer alternate which runs first from one pair to the next.
+
+Per run: mean step time over steps [warmup, warmup + window) and over the floor's, bytes the first node's
+interface sent per step over the same steps (both counted the same way, by the kernel: torchft counts none of its
+own), the loss of the first replica at every step, and the top-1 of the replicas' average at the end. Where the
+pair's update is the same math (:data:`PAIRS`), the loss curves are compared over the first ``--compare`` steps.
+Results: bench/results/peers.json and peers.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS, machine
+from bench.netns import IFACE, EmulatedNetwork, unavailable
+from bench.network import CellFailed, node_env, run_job, run_nodes, torchrun
+from bench.peers import launch
+from bench.peers.worker import TORCH_PEERS
+
+POWERSGD = ("sync=powersgd", "sync.start_powerSGD_iter=2")
+LOCALSGD = ["sync=localsgd", "sync.begin_step=0", "sync.k_steps=4", "sync.average_buffers=false"]
+
+
+@dataclass(frozen=True)
+class Pair:
+    ours: str  # what the table calls ours
+    overrides: tuple[str, ...]  # ours, and the peer's settings (read from the same config)
+    peer: str  # bench.peers.worker's name of the peer
+    peer_name: str
+    same_math: str = ""  # why the updates are the same; empty: they differ by design (``differs`` says how)
+    differs: str = ""
+
+
+PAIRS: dict[str, Pair] = {
+    "allreduce": Pair(
+        "allreduce",
+        ("sync=allreduce",),
+        "ddp",
+        "torch DDP",
+        same_math="both average gradients every step (DDP: stock arguments, BN buffers broadcast from rank 0)",
+    ),
+    "powersgd": Pair(
+        "PowerSGD r=1",
+        ("sync=powersgd", "sync.start_powerSGD_iter=2"),
+        "ddp_powersgd",
+        "DDP + powerSGD_hook",
+        same_math="ours is torch's powerSGD_hook on DDP, with the same state arguments",
+    ),
+    "localsgd": Pair(
+        "local SGD k=4",
+        tuple(LOCALSGD),
+        "torchft_localsgd",
+        "torchft LocalSGD",
+        same_math="both average the parameters after every 4th step (ours without BN buffers, as torchft)",
+    ),
+    "post_localsgd": Pair(
+        "local SGD k=4",
+        tuple(LOCALSGD),
+        "post_localsgd",
+        "PostLocalSGDOptimizer",
+        same_math="PeriodicModelAverager(period=4, warmup_steps=3): its first averaging after step 3, as ours",
+    ),
+    "diloco": Pair(
+        "DiLoCo H=16",
+        ("sync=diloco", "sync.inner_steps=16", "sync.average_buffers=false"),
+        "torchft_diloco",
+        "torchft DiLoCo",
+        same_math="both take outer Nesterov SGD (0.7, 0.9) on the averaged pseudo-gradient every 16 steps",
+    ),
+}
+FLOOR = ("sync=none",)
+
+
+@dataclass
+class Cell:
+    nodes: int
+    rate: str
+    runs: dict[str, dict[str, Any]] = field(default_factory=dict)  # "ours:<overrides>" / "peer:<name>" / "floor"
+
+
+class Jobs:
+    """The runs of one invocation, each with its own name, rendezvous port and run dir."""
+
+    def __init__(self, args: argparse.Namespace, steps: int, workdir: Path):
+        self.args, self.steps, self.workdir, self.count = args, steps, workdir, 0
+
+    def _next(self, cell: Cell) -> tuple[str, int]:
+        self.count += 1
+        return f"n{cell.nodes}-{cell.rate}-{self.count}", self.args.port + 3 * self.count
+
+    def ours(self, net: EmulatedNetwork, cell: Cell, overrides: tuple[str, ...]) -> Callable[[], dict[str, Any]]:
+        name, port = self._next(cell)
+        a = self.args
+        return lambda: run_job(
+            net, ["experiment=network", *overrides], self.steps, name, port, self.workdir, a.cell_timeout
+        )
+
+    def peer(self, net: EmulatedNetwork, cell: Cell, pair: Pair) -> Callable[[], dict[str, Any]]:
+        name, port = self._next(cell)
+        return lambda: run_peer(net, pair, self.steps, name, port, self.workdir, self.args.cell_timeout)
+
+
+def summary(out: dict[str, Any], warmup: int, window: int) -> dict[str, Any]:
+    """A run's numbers: steady-state step time and bytes on the first node's interface, losses, final top-1."""
+    train = [r for r in out["metrics"] if r["kind"] == "train"]
+    steady = [r for r in train if warmup <= r["step"] < warmup + window]
+    if len(steady) < window:
+        raise CellFailed(f"only {len(steady)} steady-state steps recorded, expected {window}")
+    end = next(r for r in reversed(out["metrics"]) if r["kind"] == "summary")
+    return {
+        "step_s": sum(r["step_s"] for r in steady) / window,
+        "wire_bytes_per_step": sum(r["wire_bytes"] for r in steady) / window,
+        "losses": [r["loss"] for r in train],
+        "top1": end["top1"],
+        "wall_s": out["wall_s"],
+    }
+
+
+def run_peer(
+    net: EmulatedNetwork, pair: Pair, steps: int, job_id: str, port: int, workdir: Path, timeout_s: float
+) -> dict[str, Any]:
+    """The peer of ``pair`` on every node of ``net``: one torchrun across them (torch) or one per node and a
+    lighthouse on the first (torchft)."""
+    run_dir = workdir / job_id
+    run_dir.mkdir(parents=True)
+    overrides = ["experiment=network", f"trainer.max_steps={steps}", f"trainer.netdev={IFACE}", *pair.overrides]
+    command = launch.worker(pair.peer, run_dir, overrides)
+    if pair.peer in TORCH_PEERS:
+        commands = [[*torchrun(net, node, job_id, port), *command] for node in range(net.nodes)]
+        return run_nodes(net, run_dir, commands, [node_env()] * net.nodes, timeout_s)
+    at = f"{net.address(0)}:{port + 1}"
+    with open(run_dir / "lighthouse.log", "w") as log:  # (stopped with the nodes' processes)
+        net.popen(0, launch.lighthouse(net.nodes, at), stdout=log, stderr=subprocess.STDOUT)
+    envs = [{**node_env(), **launch.torchft_env(node, net.nodes, at, net.address(node))} for node in range(net.nodes)]
+    commands = [[*torchrun(net, node, f"{job_id}-{node}", port, nnodes=1), *command] for node in range(net.nodes)]
+    return run_nodes(net, run_dir, commands, envs, timeout_s)
+
+
+def measure(
+    key: str, job: Callable[[], dict[str, Any]], cell: Cell, args: argparse.Namespace, label: str
+) -> dict[str, Any]:
+    """Run ``job`` once per cell for ``key`` (ours is shared by the pairs that name the same overrides)."""
+    if key not in cell.runs:
+        print(f"[{time.strftime('%H:%M:%S')}] {cell.nodes} nodes {cell.rate:>8}  {label}", flush=True)
+        try:
+            cell.runs[key] = summary(job(), args.warmup, args.window)
+            print(f"  {cell.runs[key]['step_s']:.3f} s/step, {cell.runs[key]['wire_bytes_per_step'] / 1e6:.2f} MB/step "
+                  f"on the wire, top-1 {cell.runs[key]['top1']:.2f}%", flush=True)  # fmt: skip
+        except CellFailed as error:
+            print(f"  failed: {error}", flush=True)
+            cell.runs[key] = {"error": str(error)}
+    return cell.runs[key]
+
+
+def agreement(ours: list[float], peer: list[float], steps: int) -> dict[str, Any]:
+    """How far the peer's first ``steps`` losses are from ours: the largest absolute and relative difference."""
+    pairs = list(zip(ours[:steps], peer[:steps]))
+    return {
+        "steps": len(pairs),
+        "max_abs": max(abs(a - b) for a, b in pairs),
+        "max_rel": max(abs(a - b) / max(abs(a), 1e-12) for a, b in pairs),
+    }
+
+
+def compare(cell: Cell, key: str, pair: Pair, args: argparse.Namespace) -> dict[str, Any]:
+    ours, peer, floor = cell.runs[f"ours:{pair.overrides}"], cell.runs[f"peer:{pair.peer}"], cell.runs["floor"]
+    row: dict[str, Any] = {"nodes": cell.nodes, "rate": cell.rate, "pair": key, "ours_name": pair.ours,
+                           "peer_name": pair.peer_name, "ours": ours, "peer": peer}  # fmt: skip
+    if "error" in ours or "error" in peer:
+        return row
+    row["ours_over_peer"] = ours["step_s"] / peer["step_s"]
+    if "error" not in floor:
+        row["ours_x_floor"], row["peer_x_floor"] = ours["step_s"] / floor["step_s"], peer["step_s"] / floor["step_s"]
+    if pair.same_math:
+        row["agreement"] = agreement(ours["losses"], peer["losses"], args.compare)
+    return row
+
+
+def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        "| nodes | link | ours | peer | s/step ours (× floor) | s/step peer (× floor) | ours / peer | MB/step on the "
+        f"wire, ours / peer | top-1 ours / peer | loss, first {args.compare} steps: max rel. difference |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        head = f"| {r['nodes']} | {r['rate']} | {r['ours_name']} | {r['peer_name']} |"
+        if "ours_over_peer" not in r:
+            failed = [side for side in ("ours", "peer") if "error" in r[side]]
+            lines.append(f"{head} failed: {', '.join(failed)} ||||||")
+            continue
+        o, p = r["ours"], r["peer"]
+        floor = {side: f" ({r[side + '_x_floor']:.2f}×)" if side + "_x_floor" in r else "" for side in ("ours", "peer")}
+        agree = f"{r['agreement']['max_rel']:.1e}" if "agreement" in r else "differs by design"
+        lines.append(
+            f"{head} {o['step_s']:.3f}{floor['ours']} | {p['step_s']:.3f}{floor['peer']} | {r['ours_over_peer']:.2f} | "
+            f"{o['wire_bytes_per_step'] / 1e6:.2f} / {p['wire_bytes_per_step'] / 1e6:.2f} | "
+            f"{o['top1']:.2f} / {p['top1']:.2f} | {agree} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", default="2,4", help="node counts, each its own emulated network")
+    parser.add_argument("--rates", default="1gbit,100mbit", help="link rates")
+    parser.add_argument("--pairs", default=",".join(PAIRS), help=f"of {', '.join(PAIRS)}")
+    parser.add_argument("--warmup", type=int, default=4, help="steps before the steady state")
+    parser.add_argument("--window", type=int, default=16, help="steady-state steps (step time, bytes)")
+    parser.add_argument("--compare", type=int, default=20, help="steps whose losses are compared")
+    parser.add_argument("--port", type=int, default=29800)
+    parser.add_argument("--cell-timeout", type=float, default=600.0, help="seconds for one run")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    args.nodes = [int(n) for n in args.nodes.split(",")]
+    args.rates, args.pairs = args.rates.split(","), args.pairs.split(",")
+    unknown = [p for p in args.pairs if p not in PAIRS]
+    if unknown:
+        parser.error(f"--pairs: {', '.join(unknown)} not one of {', '.join(PAIRS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    why = unavailable()
+    if why is not None:
+        print(f"bench.peers: skipped: {why}")
+        return 0
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        print("bench.peers: skipped: torchft is not installed (pip install -r requirements-peers.txt)")
+        return 0
+    steps, rows, started = max(args.warmup + args.window, args.compare), [], time.perf_counter()
+    jobs = Jobs(args, steps, Path(tempfile.mkdtemp(prefix="relaxsync-peers-")))
+    for nodes in args.nodes:
+        with EmulatedNetwork(nodes) as net:
+            for rate in args.rates:
+                net.shape(rate)
+                cell = Cell(nodes, rate)
+                measure("floor", jobs.ours(net, cell, FLOOR), cell, args, "floor (sync=none)")
+                for i, key in enumerate(args.pairs):
+                    pair = PAIRS[key]
+                    sides = [(f"ours:{pair.overrides}", jobs.ours(net, cell, pair.overrides), f"ours: {pair.ours}"),
+                             (f"peer:{pair.peer}", jobs.peer(net, cell, pair), f"peer: {pair.peer_name}")]  # fmt: skip
+                    for run_key, job, label in sides if i % 2 == 0 else reversed(sides):
+                        measure(run_key, job, cell, args, label)
+                    rows.append(compare(cell, key, pair, args))
+    result = {
+        "benchmark": "peers",
+        "command": "python -m bench.peers " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine(),
+        "steps": steps,
+        "warmup": args.warmup,
+        "window": args.window,
+        "wall_s": time.perf_counter() - started,
+        "pairs": {k: vars(PAIRS[k]) for k in args.pairs},
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "peers.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    text = table(rows, args)
+    (out / "peers.md").write_text(text + "\n")
+    print(text)
+    print(f"bench.peers: {result['wall_s'] / 60:.1f} min; results in {out}/peers.json and peers.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
