@@ -82,7 +82,7 @@ bench-network: $(STAMP) ## every algorithm on emulated slow links, multi-node to
 bench-faults: $(STAMP) ## (root) a dead node, a hung one, SIGTERM, a node joining, vs torchrun's restart: recovery s, lost steps
 	$(PY) -m bench.faults $(ARGS)
 
-bench-soak: $(STAMP) ## (~1 h) failures that keep coming (kill, hang, a join in each one's place) until 1000 are survived
+bench-soak: $(STAMP) ## (~70 min) failures that keep coming (kill, hang, a join in each one's place) until 1000 are survived
 	$(PY) -m bench.soak $(ARGS)
 
 bench-tta: $(STAMP) ## (root) time to a target top-1 per sync option on slow and uneven emulated clusters (~32 min)

@@ -1,7 +1,7 @@
 """A soak: failures that keep coming, survived one after another, until ``--failures`` in all.
 
     make bench-soak                                   # python -m bench.soak; about an hour for 1000 failures
-    python -m bench.soak [--failures 1000] [--syncs allreduce,localsgd,dgc,sgp,diloco] [--nodes 3] [--epochs 100]
+    python -m bench.soak [--failures 1000] [--syncs allreduce,localsgd,dgc,sgp,diloco] [--nodes 3] [--epochs 150]
 
 One run per sync option (in turn, each taking its share of the failures) under ``trainer.on_failure=continue``, on
 this machine: two ``torchrun`` nodes start it (node 0 hosts the c10d store, as torchrun's first node does, and is
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, ROOT, machine, median
+from engine.metrics import read_metrics
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 SYNCS = ("allreduce", "localsgd", "dgc", "sgp", "diloco")
@@ -223,31 +224,50 @@ def soak(sync: str, share: int, args: argparse.Namespace, workdir: Path, port: i
         return {"sync": sync, "error": str(error)}
     finally:
         run.close()
-    metrics = run.metrics()
+    row = analyse(run.metrics())
+    row.update(sync=sync, failures=len([i for i in run.injected if i["kind"] != "join"]), wall_s=time.time() - started)
+    return row
+
+
+def analyse(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a soak run's records say: failures survived (a ``rank_lost`` event each), joins, lost steps, the
+    standstill each cost the members, the final top-1.
+
+    A failure's standstill is the longest gap between two steps (less the run's median step) from the first step
+    after the previous admission to the first step after its ``rank_lost`` event: the members stall wherever
+    they next need the lost rank, at once under allreduce, at their next exchange (steps after the failure) under
+    local SGD and DiLoCo, and the event may be written before or after the step that follows the stall. A
+    join's is the gap around the start of its admission."""
     steps = [r for r in metrics if r["kind"] == "train"]
+    times = [r["time"] for r in steps]
+    events = [r for r in metrics if r["kind"] == "event"]
     summary = next(r for r in reversed(metrics) if r["kind"] == "summary")
     step_s = median([r["step_s"] for r in steps])
     numbers = [r["step"] for r in steps]
-    pauses = {kind: [] for kind in ("kill", "hang", "join")}
-    for injected in run.injected:
-        pause = standstill(steps, injected["time"], step_s)
-        if pause is not None:
-            pauses[injected["kind"]].append(pause)
-    survived = [i for i in run.injected if i["kind"] != "join" and i["event"]["event"] == "rank_lost"]
+    pauses: dict[str, list[float]] = {"kill": [], "hang": [], "join": []}
+    since = times[0]  # the first step after the previous admission
+    for event in events:
+        if event["event"] == "rank_lost":
+            until = next((t for t in times if t > event["time"]), None)
+            gaps = [b - a for a, b in zip(times, times[1:]) if a >= since and until is not None and b <= until]
+            if gaps:
+                pauses["hang" if event["cause"] == "hung" else "kill"].append(max(0.0, max(gaps) - step_s))
+        elif event["event"] == "rank_joined":
+            pause = standstill(steps, event["time"] - event["admission_s"], step_s)  # (they stand still from here)
+            if pause is not None:
+                pauses["join"].append(pause)
+            since = next((t for t in times if t > event["time"]), since)
     return {
-        "sync": sync,
-        "failures": len([i for i in run.injected if i["kind"] != "join"]),
-        "survived": len(survived),
+        "survived": len([e for e in events if e["event"] == "rank_lost"]),
         "kills": len(pauses["kill"]),
         "hangs": len(pauses["hang"]),
         "joins": len(pauses["join"]),
         "lost_steps": (len(numbers) - len(set(numbers))) + (max(numbers) + 1 - len(set(numbers))),
         "steps": len(numbers),
         "median_step_s": step_s,
-        "standstill_s": {kind: values for kind, values in pauses.items()},
+        "standstill_s": pauses,
         "top1": summary["top1"],
         "finished": summary["finished"],
-        "wall_s": time.time() - started,
     }
 
 
@@ -289,13 +309,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--failures", type=int, default=1000, help="failures (kills and hangs) in all")
     parser.add_argument("--syncs", default=",".join(SYNCS), help="the sync options, one run each, in turn")
     parser.add_argument("--nodes", type=int, default=3, help="the world size the driver keeps")
-    parser.add_argument("--epochs", type=int, default=100, help="each run's length (and its undisturbed run's)")
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=150,
+        help="each run's length (and its undisturbed run's; long enough for its share of the failures)",
+    )
     parser.add_argument("--hang-every", type=int, default=5, help="one failure in this many is a hang")
     parser.add_argument("--hang-timeout", type=float, default=3.0, help="trainer.hang_timeout_s")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument(
+        "--report",
+        metavar="WORKDIR",
+        help="analyse a finished soak's run dirs again (its soak.json "
+        "in --out gives what the records do not: failures injected, wall times, undisturbed top-1)",
+    )
     args = parser.parse_args(argv)
+    command = ("python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    if args.report:
+        return report(Path(args.report), Path(args.out), command)
     syncs = args.syncs.split(",")
     from engine.launch import START_METHOD, start_worker_server
 
@@ -306,26 +340,41 @@ def main(argv: list[str] | None = None) -> int:
     for i, sync in enumerate(syncs):
         left = args.failures - sum(r.get("failures", 0) for r in rows)  # (a run that ended early leaves its rest)
         share = math.ceil(left / (len(syncs) - i))
-        print(f"bench.soak: {sync}, {share} failures", flush=True)
+        print(f"bench.soak: {sync}, {share} failures (run dir {workdir / sync})", flush=True)
         row = soak(sync, share, args, workdir, args.port + i, ctx)
         if "error" not in row:
             row["undisturbed_top1"] = undisturbed(sync, args, workdir)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "standstill_s"}), flush=True)
-    command = "python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:])
+    write({"command": command, "wall_s": time.perf_counter() - started}, rows, Path(args.out))
+    return 0
+
+
+def report(workdir: Path, out: Path, command: str) -> int:
+    """Re-analyse the run dirs of the soak recorded in ``out/soak.json`` (:func:`analyse`)."""
+    old = json.loads((out / "soak.json").read_text())
+    rows = []
+    for row in old["rows"]:
+        if "error" not in row:
+            kept = {k: row[k] for k in ("sync", "failures", "wall_s", "undisturbed_top1")}
+            row = {**kept, **analyse(read_metrics(str(workdir / row["sync"] / "metrics.jsonl")))}
+        rows.append(row)
+    write({"command": old["command"], "analysed_by": command, "wall_s": old["wall_s"]}, rows, out)
+    return 0
+
+
+def write(head: dict[str, Any], rows: list[dict[str, Any]], out: Path) -> None:
     every = [p for r in rows if "error" not in r for k in ("kill", "hang") for p in r["standstill_s"][k]]
     result = {
         "benchmark": "soak",
-        "command": command.strip(),
+        **head,
         "machine": machine(),
         "failures_survived": sum(r.get("survived", 0) for r in rows),
         "failures_injected": sum(r.get("failures", 0) for r in rows),
         "lost_steps": sum(r.get("lost_steps", 0) for r in rows),
         "standstill_s": {"median": median(every), "p95": percentile(every, 0.95), "max": max(every, default=None)},
-        "wall_s": time.perf_counter() - started,
         "rows": rows,
     }
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "soak.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     text = table(rows)
@@ -333,7 +382,6 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"bench.soak: {result['failures_survived']} of {result['failures_injected']} failures survived, "
           f"{result['wall_s'] / 60:.1f} min; results in {out}/soak.json and soak.md")  # fmt: skip
-    return 0
 
 
 if __name__ == "__main__":
