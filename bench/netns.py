@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 PREFIX = "relaxsync"
+ETC_NETNS = "/etc/netns"  # per-namespace files that ``ip netns exec`` mounts over /etc
 IFACE = "eth0"
 SUBNET = "10.213.0"
 MIN_BURST = 32 * 1024
@@ -103,6 +104,7 @@ def remove_stale() -> list[str]:
         match = re.fullmatch(rf"{PREFIX}(\d+)-(?:br|n\d+)", name)
         if match and not _pid_alive(int(match.group(1))):
             _run(["ip", "netns", "del", name], check=False)
+            shutil.rmtree(os.path.join(ETC_NETNS, name), ignore_errors=True)
             removed.append(name)
     return removed
 
@@ -167,6 +169,19 @@ class EmulatedNetwork:
             _run(["ip", "-n", self.bridge_ns, "link", "set", f"p{i}", "master", "br0", "up"])
             _run(["ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFACE])
             _run(["ip", "-n", ns, "link", "set", IFACE, "up"])
+        self._write_hosts()
+
+    def _write_hosts(self) -> None:
+        """Every node's host name resolves, inside every node, to its address: ``ip netns exec`` mounts
+        ``/etc/netns/<namespace>/hosts`` over ``/etc/hosts`` (what a cluster's DNS does for its nodes; a process
+        that advertises its host name, as torchft's checkpoint server does, is then reachable by it)."""
+        with open("/etc/hosts") as f:
+            base = f.read().rstrip("\n")
+        nodes = "\n".join(f"{self.address(i)} {self.hostname(i)}" for i in range(self.nodes))
+        for i in range(self.nodes):
+            os.makedirs(os.path.join(ETC_NETNS, self.ns(i)), exist_ok=True)
+            with open(os.path.join(ETC_NETNS, self.ns(i), "hosts"), "w") as f:
+                f.write(f"{base}\n{nodes}\n")
 
     def _add_ns(self, name: str) -> None:
         _run(["ip", "netns", "add", name])
@@ -176,6 +191,7 @@ class EmulatedNetwork:
         self.stop_all()
         for name in reversed(self._created):
             _run(["ip", "netns", "del", name], check=False)
+            shutil.rmtree(os.path.join(ETC_NETNS, name), ignore_errors=True)
         self._created = []
 
     # ---- links -----------------------------------------------------------------------------------------

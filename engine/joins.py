@@ -242,7 +242,7 @@ class Host(Protocol):
 
     def settle(self) -> None: ...
     def state_dict(self) -> dict[str, Any]: ...
-    def _load_replica(self, state: dict[str, Any]) -> None: ...
+    def load_replica(self, state: dict[str, Any]) -> None: ...
     def reshape(self, state: dict[str, Any], own: dict[str, Any] | None) -> None: ...
 
 
@@ -323,7 +323,7 @@ class Joins:
             m.admit(list(joiners), joiners)
         box: list[Any] = [None]
         dist.recv_object_list(box, src=_source(m, joiners), group=m.group)
-        host._load_replica(box[0])
+        host.load_replica(box[0])
         host.reshape(box[0], own=None)
         self.admissions.done(record)
 

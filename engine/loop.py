@@ -61,7 +61,7 @@ class Trainer:
         self.stop = StopRequest(self.membership)
         state, resumed = None if self.joining else self.checkpointer.load(), None
         if state is not None:
-            self._load_replica(state)
+            self.load_replica(state)
             self.run.resume(state, len(data.train), self.world_size, self.batch_size)
             resumed = self.checkpointer.resumed(state.get("world_size"), self.world_size, self.run, t["epochs"])
             # The LR scale an eviction or a lost rank set (survivors / initial ranks) belonged to the shrunk world
@@ -120,12 +120,13 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Become the replica of a peer's :meth:`state_dict` (this rank's own algorithm state stays its own)."""
-        self._load_replica(state)
+        self.load_replica(state)
         self.run.load_state_dict(state)
         self.sync.load_state_dict(state["sync"])
         self.loop.load_state_dict(state["loop"])
 
-    def _load_replica(self, state: dict[str, Any]) -> None:
+    def load_replica(self, state: dict[str, Any]) -> None:
+        """Take the model, optimizer and AMP state of ``state`` (a checkpoint's or a peer's)."""
         self.raw_model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.amp.load_state_dict(state["amp"])

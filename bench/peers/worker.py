@@ -18,6 +18,7 @@ import datetime
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,6 +70,18 @@ class TorchPeer:
             averager = PeriodicModelAverager(period=k, warmup_steps=begin + k - 1)
             self.optimizer = PostLocalSGDOptimizer(optim=optimizer, averager=averager)
         self.module = self.ddp
+
+    def position(self, step: int) -> int:
+        """The step of the run this replica takes next (what the LR follows and the run's end counts)."""
+        return step
+
+    def report(self, at: int) -> dict[str, Any]:
+        return {}
+
+    def evaluate(self, model: nn.Module, loaders: Loaders) -> float:
+        """Top-1 of the replicas' average (parameters and BN statistics), each replica on its shard, as ours."""
+        average(model, self.sum, self.replicas)
+        return top1(model, loaders.val, self.sum)
 
     def sum(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor)
@@ -138,6 +151,26 @@ class TorchftPeer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
+    def position(self, step: int) -> int:
+        """DDP: the steps the replicas committed (a replica that joined late takes the run's position when it is
+        healed); local SGD and DiLoCo: this replica's own steps (torchft counts their synchronisations)."""
+        return self.manager.current_step() if self.name == "torchft_ddp" else step
+
+    def report(self, at: int) -> dict[str, Any]:
+        """Whether the step was kept (DDP: committed by every participant), and by how many replicas."""
+        if self.name != "torchft_ddp":
+            return {}
+        return {"committed": self.manager.current_step() > at, "participants": self.manager.num_participants()}
+
+    def evaluate(self, model: nn.Module, loaders: Loaders) -> float:
+        if self.name != "torchft_ddp":
+            average(model, self.sum, self.replicas)
+            return top1(model, loaders.val, self.sum)
+        # DDP's replicas agree; some may have left: the BN statistics of those still here, the whole set on each.
+        average(model, self.sum, self.manager.num_participants(), buffers_only=True)
+        loaders.build(1, 0, train=False)
+        return top1(model, loaders.val, lambda counts: None)
+
     def sum(self, tensor: torch.Tensor) -> None:
         from torch.distributed import ReduceOp
 
@@ -153,11 +186,12 @@ class TorchftPeer:
 
 # ---- the loop ---------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def average(model: nn.Module, peer: TorchPeer | TorchftPeer, replicas: int) -> None:
-    """The replicas' average, parameters and BN statistics, in place: what our evaluation evaluates."""
-    tensors = [p.data for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
+def average(model: nn.Module, total: Callable[[torch.Tensor], None], replicas: int, buffers_only: bool = False) -> None:
+    """The replicas' average, parameters and BN statistics, in place (``total`` sums a tensor over them)."""
+    tensors = [] if buffers_only else [p.data for p in model.parameters()]
+    tensors += [b for b in model.buffers() if b.is_floating_point()]
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    peer.sum(flat)
+    total(flat)
     flat.div_(replicas)
     offset = 0
     for t in tensors:
@@ -166,13 +200,13 @@ def average(model: nn.Module, peer: TorchPeer | TorchftPeer, replicas: int) -> N
 
 
 @torch.no_grad()
-def top1(model: nn.Module, loader: Any, peer: TorchPeer | TorchftPeer) -> float:
+def top1(model: nn.Module, loader: Any, total: Callable[[torch.Tensor], None]) -> float:
     """Top-1 over the whole validation set, each replica on its shard, as our evaluation."""
     model.eval()
     counts = torch.zeros(2, dtype=torch.float64)
     for x, y in loader:
         counts += torch.tensor([float(model(x).argmax(1).eq(y).sum()), len(y)], dtype=torch.float64)
-    peer.sum(counts)
+    total(counts)
     hits, count = counts.tolist()
     return 100.0 * hits / count
 
@@ -200,33 +234,35 @@ def main(argv: list[str]) -> int:
     writer = MetricsWriter(os.path.join(run_dir, "metrics.jsonl")) if replica == 0 else None
     netdev = NetdevCounter(t["netdev"]) if t.get("netdev") else None
     step, epoch, started = 0, 0, time.perf_counter()
-    while step < max_steps:
+    spe = loaders.steps_per_epoch
+    while peer.position(step) < max_steps and epoch < t["epochs"]:
         epoch += 1
         torch.manual_seed(t["seed"] * 100_003 + epoch * 1_009 + replica)  # as our trainer, per epoch and rank
         loaders.start_epoch(epoch)
         peer.module.train()
         tick = time.perf_counter()
         for i, (x, y) in enumerate(loaders.train):
-            if i >= loaders.steps_per_epoch or step >= max_steps:
+            if i >= spe or peer.position(step) >= max_steps:
                 break
-            peer.optimizer.zero_grad(set_to_none=True)
+            peer.optimizer.zero_grad(set_to_none=True)  # (torchft's DDP: the quorum, and a heal, happen here)
             loss = criterion(peer.module(x), y)
             loss.backward()
             compute_s = time.perf_counter() - tick
-            lr = schedule.apply(optimizer, epoch - 1 + i / loaders.steps_per_epoch)
+            at = peer.position(step)  # the LR of the run's position, in our trainer's expression of it
+            lr = schedule.apply(optimizer, at // spe + (at % spe) / spe)
             peer.optimizer.step()
             now = time.perf_counter()
             if writer is not None:
                 record = {"kind": "train", "step": step, "epoch": epoch, "loss": loss.item(), "lr": lr,
                           "world_size": replicas, "samples_per_s": batch * replicas / (now - tick),
-                          "compute_s": compute_s, "step_s": now - tick}  # fmt: skip
+                          "compute_s": compute_s, "step_s": now - tick, "time": time.time()}  # fmt: skip
+                record.update(peer.report(at))
                 if netdev is not None:
                     record["wire_bytes"] = netdev.delta()
                 writer.write(record)
             step, tick = step + 1, time.perf_counter()
     train_s = time.perf_counter() - started
-    average(model, peer, replicas)
-    accuracy = top1(model, loaders.val, peer)
+    accuracy = peer.evaluate(model, loaders)
     if writer is not None:
         writer.write({"kind": "summary", "top1": accuracy, "steps": step, "train_s": train_s})
         writer.close()

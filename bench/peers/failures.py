@@ -1,0 +1,180 @@
+"""A node lost and a node back, ours beside torchft's fault-tolerant DDP, on three emulated nodes.
+
+Ours: ``sync=allreduce trainer.on_failure=continue``, one torchrun per node (as bench/faults starts it); node 2's
+torchrun and worker are killed (``kill -9``) once ``at`` steps are done; ``back`` steps later node 2 runs
+``train.py trainer.join=true`` and is admitted while the others train. torchft: ``torchft.ddp`` with its
+``OptimizerWrapper``, one replica group per node on a lighthouse in node 0 (a quorum needs 2 replicas, a replica is
+given up after 2 s without a heartbeat: our ``SILENT_S``), the same kill, then node 2's torchrun started again with
+the same command: it joins a quorum and is healed from a live replica. Both run the same job for ``steps`` steps.
+
+Per side: the survivors' standstill after the kill and around the join (the gap between the last step completed
+before it and the first kept after, less the run's median step), steps lost (ours: trained again; torchft: trained
+and not committed), the steps at each world size, and the final top-1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import ROOT, median
+from bench.faults import Job, kill_node
+from bench.netns import EmulatedNetwork
+from bench.network import node_env, torchrun
+from bench.peers import launch
+from bench.soak import standstill
+from engine.metrics import read_metrics
+
+NODES = 3
+HEARTBEAT_TIMEOUT_MS = 2000  # = SILENT_S (distributed/world.py): both give a silent peer up after 2 s
+
+
+def _events(metrics: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [r for r in metrics if r["kind"] == "event" and r["event"] == name]
+
+
+def ours(net: EmulatedNetwork, workdir: Path, port: int, steps: int, at: int, back: int) -> dict[str, Any]:
+    overrides = [
+        "sync=allreduce",
+        "trainer.on_failure=continue",
+        f"trainer.max_steps={steps}",
+        "trainer.eval_every=1000",
+    ]
+    job = Job(net, workdir / "failures-ours", port, overrides, str(NODES), 0, epochs=100)
+    try:
+        job.wait_steps(at)
+        killed_at = kill_node(job, job.node_of_rank(NODES - 1))
+        job.wait_for(lambda: _events(job.metrics(), "rank_lost"), 120, "the loss")
+        job.wait_steps(at + back)
+        alone = [*torchrun(net, NODES - 1, "joiner", port + 1, nnodes=1)]
+        joiner = [*alone, *job.train, "trainer.on_failure=continue", "trainer.join=true"]
+        with open(job.run_dir / f"node{NODES - 1}.log", "a") as log:
+            job.procs.append(net.popen(NODES - 1, joiner, cwd=ROOT, env=job.env, stdout=log, stderr=subprocess.STDOUT))
+        job.wait_for(lambda: (job.summary() or {}).get("finished"), 600, "the run's end")
+    finally:
+        job.stop()
+    metrics = job.metrics()
+    train = [r for r in metrics if r["kind"] == "train"]
+    numbers = [r["step"] for r in train]
+    joined = _events(metrics, "rank_joined")
+    step_s = median(r["step_s"] for r in train)
+    return {
+        "side": "ours",
+        "kill_standstill_s": standstill(train, killed_at, step_s),
+        "join_standstill_s": standstill(train, joined[0]["time"] - joined[0]["admission_s"], step_s)
+        if joined
+        else None,
+        "lost_steps": len(numbers) - len(set(numbers)),
+        "world_sizes": _sizes(train, "world_size"),
+        "median_step_s": step_s,
+        "top1": job.summary()["top1"],
+        "steps": len(set(numbers)),
+    }
+
+
+class Replicas:
+    """torchft's side: a lighthouse and one replica group (a torchrun of one worker) per node."""
+
+    def __init__(self, net: EmulatedNetwork, run_dir: Path, port: int, steps: int):
+        self.net, self.run_dir, self.port = net, run_dir, port
+        run_dir.mkdir(parents=True)
+        self.at = f"{net.address(0)}:{port}"
+        with open(run_dir / "lighthouse.log", "w") as log:
+            command = [*launch.lighthouse(2, self.at), "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
+            net.popen(0, command, stdout=log, stderr=subprocess.STDOUT)
+        overrides = ["experiment=network", "sync=allreduce", f"trainer.max_steps={steps}"]
+        self.command = launch.worker("torchft_ddp", run_dir, overrides)
+        self.procs: dict[int, subprocess.Popen] = {}
+        for node in range(net.nodes):
+            self.start(node)
+
+    def start(self, node: int) -> None:
+        env = {**node_env(), **launch.torchft_env(node, self.net.nodes, self.at, self.net.address(node)),
+               "PEER_MIN_REPLICAS": "2", "PEER_TIMEOUT_S": "30"}  # fmt: skip
+        rendezvous = torchrun(self.net, node, f"replica{node}-{time.monotonic_ns()}", self.port + 1 + node, nnodes=1)
+        with open(self.run_dir / f"node{node}.log", "a") as log:
+            self.procs[node] = self.net.popen(
+                node, [*rendezvous, *self.command], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def metrics(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        return read_metrics(str(path)) if path.exists() else []
+
+    def wait_for(self, predicate, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"torchft: {what} not within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def kept(self) -> int:
+        return len([r for r in self.metrics() if r["kind"] == "train" and r["committed"]])
+
+    def kill(self, node: int) -> float:
+        out = subprocess.run(["pgrep", "-P", str(self.procs[node].pid)], capture_output=True, text=True).stdout
+        now = time.time()
+        os.killpg(self.procs[node].pid, signal.SIGKILL)
+        for pid in map(int, out.split()):
+            os.kill(pid, signal.SIGKILL)
+        return now
+
+
+def torchft(net: EmulatedNetwork, workdir: Path, port: int, steps: int, at: int, back: int) -> dict[str, Any]:
+    replicas = Replicas(net, workdir / "failures-torchft", port, steps)
+    try:
+        full = lambda: [r for r in replicas.metrics() if r["kind"] == "train" and r["participants"] == NODES]  # noqa: E731
+        replicas.wait_for(lambda: len(full()) >= at, 300, f"{at} steps of all {NODES}")
+        killed_at = replicas.kill(NODES - 1)
+        replicas.wait_for(lambda: replicas.kept() >= at + back, 300, f"{at + back} steps")
+        started = time.time()
+        replicas.start(NODES - 1)
+        summary = lambda: [r for r in replicas.metrics() if r["kind"] == "summary"]  # noqa: E731
+        replicas.wait_for(summary, 600, "the run's end")
+    finally:
+        net.stop_all(grace_s=2.0)
+    metrics = replicas.metrics()
+    train = [r for r in metrics if r["kind"] == "train"]
+    kept = [r for r in train if r["committed"]]
+    step_s = median(r["step_s"] for r in kept)
+    rejoined = next((r for r in train if r["time"] > started and r["participants"] == NODES), None)
+    return {
+        "side": "torchft",
+        "kill_standstill_s": standstill(kept, killed_at, step_s),
+        # the quorum that took it in: the gap before the first step the grown group took
+        "join_standstill_s": standstill(kept, rejoined["time"] - 1e-6, step_s) if rejoined else None,
+        "lost_steps": len(train) - len(kept),
+        "world_sizes": _sizes(kept, "participants"),
+        "median_step_s": step_s,
+        "top1": next(r for r in metrics if r["kind"] == "summary")["top1"],
+        "steps": len(kept),
+    }
+
+
+def _sizes(train: list[dict[str, Any]], key: str) -> list[list[int]]:
+    """[world size, steps at it] in the order they came."""
+    runs: list[list[int]] = []
+    for r in train:
+        if runs and runs[-1][0] == r[key]:
+            runs[-1][1] += 1
+        else:
+            runs.append([r[key], 1])
+    return runs
+
+
+def run(net: EmulatedNetwork, workdir: Path, port: int, steps: int, at: int, back: int) -> list[dict[str, Any]]:
+    """Both sides, ours first; a side that fails is reported with its error."""
+    rows = []
+    for side, fn in (("ours", ours), ("torchft", torchft)):
+        print(f"[{time.strftime('%H:%M:%S')}] failures: {side}", flush=True)
+        try:
+            rows.append(fn(net, workdir, port + 10 * len(rows), steps, at, back))
+            print(f"  {rows[-1]}", flush=True)
+        except (TimeoutError, RuntimeError) as error:
+            print(f"  failed: {error}", flush=True)
+            rows.append({"side": side, "error": str(error)})
+    return rows
