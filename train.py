@@ -75,21 +75,21 @@ def worker_config(argv: list[str]) -> dict[str, Any]:
 def worker_main(argv: list[str]) -> Any:
     """A worker torchrun started: train."""
     from engine.launchers import external_run_dir
-    from engine.worker import run_worker
+    from engine.worker import exit_if_left, run_worker
 
     plain = worker_config(argv)
-    return run_worker(plain, plain["trainer"]["run_dir"] or external_run_dir())
+    return exit_if_left(run_worker(plain, plain["trainer"]["run_dir"] or external_run_dir()))
 
 
 def slurm_worker(plain: dict[str, Any], run_dir: str) -> Any:
     """A task of a Slurm job: one worker of the job's world (rank, size and rendezvous from Slurm's environment);
     after a stop on a signal, task 0 puts the job back in the queue, where it resumes."""
     from engine.launchers import requeue_slurm_job, slurm_world
-    from engine.worker import run_worker
+    from engine.worker import exit_if_left, run_worker
 
     world = slurm_world()
     os.environ.update(world)
-    result = run_worker(plain, run_dir)
+    result = exit_if_left(run_worker(plain, run_dir))
     if result.stopped_by and world["RANK"] == "0":  # every rank has checkpointed the agreed step and left the loop
         print(f"relaxsync: {requeue_slurm_job()}", flush=True)
     return result

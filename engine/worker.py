@@ -28,6 +28,7 @@ class WorkerResult:
 
     summary: dict[str, Any] | None  # the logging rank's summary record
     stopped_by: str | None  # the signal the run stopped on, checkpointed at the agreed step
+    left: bool = False  # this rank left the run (evicted, or given up by the others)
 
 
 @record
@@ -41,9 +42,21 @@ def run_worker(cfg: dict[str, Any], run_dir: str) -> WorkerResult:
         return WorkerResult(summary, trainer.stop.stopped_by(trainer.step))
     except LeftRun:
         left = True  # it said why when it left
-        return WorkerResult(None, None)
+        return WorkerResult(None, None, left=True)
     finally:
         trainer.close(left)
+
+
+def exit_if_left(result: WorkerResult) -> WorkerResult:
+    """A process of its own (torchrun's, Slurm's) whose rank left the run ends here, with status 0, without the
+    interpreter's teardown: the groups it was removed from were aborted, and a thread of theirs can still be
+    waiting on the peers; the C++ runtime ends a process whose objects are destroyed under such a thread with
+    SIGABRT ("terminate called without an active exception"). Its records are closed already."""
+    if result.left:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return result
 
 
 def adopt_environment(launcher_env: dict[str, str], inherited: dict[str, str] = INHERITED_ENV) -> None:

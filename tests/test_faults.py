@@ -560,7 +560,7 @@ def test_in_network_namespaces_a_dead_node_a_hung_one_and_one_that_joins_later(t
 
     argv = ["--scenarios", "died,hung,rejoin", "--algorithms", "allreduce", "--hang-timeout", "5"]
     assert faults.main([*argv, "--port", str(free_port()), "--out", str(tmp_path)]) == 0
-    rows = {r["scenario"]: r for r in json.loads((tmp_path / "faults.json").read_text())["rows"]}
+    rows = {r["scenario"]: r for r in json.loads((tmp_path / "faults-died-hung-rejoin.json").read_text())["rows"]}
     assert not [r for r in rows.values() if "error" in r], rows
     for name, cause in (("died (allreduce)", "died"), ("hung", "hung")):
         row = rows[name]
