@@ -42,14 +42,16 @@ class TorchPeer:
     def __init__(self, name: str, model: nn.Module, optimizer: torch.optim.Optimizer, sync: dict[str, Any]):
         from torch.nn.parallel import DistributedDataParallel
 
-        self.ddp = DistributedDataParallel(model)
         self.optimizer = optimizer
         self.replica, self.replicas = dist.get_rank(), dist.get_world_size()
+        fixed = name == "ddp_powersgd_fixed"  # DDP set up as ours sets it up (see bench.peers.PAIRS)
+        if name.startswith("ddp_powersgd"):
+            self.ddp = DistributedDataParallel(model, bucket_cap_mb=sync["bucket_cap_mb"], broadcast_buffers=not fixed)
+        else:
+            self.ddp = DistributedDataParallel(model)
         if name.startswith("ddp_powersgd"):
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as power
 
-            fixed = name == "ddp_powersgd_fixed"  # DDP set up as ours sets it up (see bench.peers.PAIRS)
-            self.ddp = DistributedDataParallel(model, bucket_cap_mb=sync["bucket_cap_mb"], broadcast_buffers=not fixed)
             if fixed:  # buckets in parameter order for good
                 self.ddp.reducer._push_all_rebuilt_params()
                 self.ddp.reducer._rebuild_buckets()
