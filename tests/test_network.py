@@ -173,7 +173,11 @@ def test_time_to_accuracy_miniature_two_algorithms_on_two_nodes(tmp_path):
         assert r["reached"] and r["steps"] % 2 == 0 and 0 < r["seconds"] < r["wall_s"], r
         assert r["curve"][-1]["top1"] >= 20 > max((c["top1"] for c in r["curve"][:-1]), default=0), r  # the crossing
         assert r["trained_steps"] == r["steps"] and r["mb_per_node"] > 0
-        assert 1.0 <= r["wire_mb_node0"] / r["mb_per_node"] <= 1.15, r  # evaluations' traffic kept apart
+        # Evaluations' traffic is kept apart (at most headers on top). Node 0's wire count may lag the records by
+        # what is still queued in its socket and shaper when the last record before the target was taken: less
+        # than one exchange (allreduce exchanges every step, local SGD every 4th).
+        exchanges = (r["steps"] - 1) // (4 if r["algorithm"] == "localsgd4" else 1)
+        assert 1 - 1 / exchanges <= r["wire_mb_node0"] / r["mb_per_node"] <= 1.15, r
     allreduce, local = rows
     assert local["mb_per_node"] / local["steps"] < allreduce["mb_per_node"] / allreduce["steps"] / 2
     assert (tmp_path / "tta.md").exists() and (tmp_path / "tta_1gbit.png").exists()
