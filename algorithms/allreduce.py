@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from algorithms.base import SyncAlgorithm, SyncContext, SyncReport
-from distributed.comm import Communicator, tensor_bytes, wait_all
+from distributed.comm import Communicator, tensor_bytes
 from distributed.membership import Change
 from errors import require
 
@@ -42,7 +42,8 @@ class _HookState:
 def counted_allreduce_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     # No `from __future__ import annotations` in this file: DDP checks this signature at registration.
     """DDP's default allreduce (average: divided, then summed), counted by the Communicator; its work is kept for
-    :meth:`AllReduce.after_backward`."""
+    :meth:`AllReduce.after_backward`. DDP waits for the future in C++: it is relayed through the membership, so
+    that a peer lost elsewhere ends that wait too (distributed/alarm.py)."""
     start = time.perf_counter()
     state.last_ready = start
     buffer, group = bucket.buffer(), state.comm.group
@@ -50,7 +51,7 @@ def counted_allreduce_hook(state: _HookState, bucket: dist.GradBucket) -> torch.
     work = dist.all_reduce(buffer, group=group, async_op=True)
     state.works.append(work)
     future = work.get_future().then(lambda f: f.value()[0])
-    return counted(future, state.comm, tensor_bytes(buffer), start)
+    return state.comm.membership.relay(counted(future, state.comm, tensor_bytes(buffer), start))
 
 
 def counted(
@@ -119,6 +120,6 @@ class AllReduce(SyncAlgorithm):
         # DDP waits for its allreduces on the stream only: on NCCL a lost peer would not raise here but leave the
         # optimizer step waiting. Under a deadline each one finishes, fails or passes it here, before the step.
         works, self.hook_state.works = self.hook_state.works, []
-        wait_all(works, self.ctx.membership.timeout)
+        self.ctx.membership.wait(works)
         # The gradients were averaged before unscaling, so every rank's verdict is the same.
         return SyncReport(grads_finite=grads_finite, compute_end=self.hook_state.last_ready)

@@ -139,8 +139,8 @@ def counted_powersgd_hook(state: _PowerHookState, bucket: dist.GradBucket) -> to
     state.buckets.prepare(bucket)
     plain = psgd.iter < psgd.start_powerSGD_iter
     before = psgd.total_numel_after_compression
-    future = powerSGD_hook(psgd, bucket)
-    future.wait()
+    future = state.comm.membership.relay(powerSGD_hook(psgd, bucket))
+    future.wait()  # (PeerLost when a peer is lost elsewhere meanwhile)
     numel = buffer.numel() if plain else psgd.total_numel_after_compression - before
     return counted(future, state.comm, numel * buffer.element_size(), start)
 

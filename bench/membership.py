@@ -191,7 +191,7 @@ class Shard:
         self._module, self._form_group, self._stack = membership_module, membership_module.form_group, None
         self.formed = 0
 
-        def placeholder_group(ranks: list[int], timeout: Any = None) -> object:
+        def placeholder_group(ranks: list[int], timeout: Any = None, wait: Any = None) -> object:
             self.formed += 1
             return object()
 

@@ -17,7 +17,6 @@ type (:class:`CommCounts`), apart from what a hook reports (``algorithms.base.Sy
 
 from __future__ import annotations
 
-import datetime
 import math
 import time
 from collections.abc import Iterator
@@ -79,18 +78,9 @@ class Pending:
         if self.dropped:
             return None
         start = time.perf_counter()
-        wait_all(self.works, self.comm.membership.timeout)
+        self.comm.membership.wait(self.works)
         self.comm.record(0.0, 0.0, time.perf_counter() - start)
         return self.result
-
-
-def wait_all(works: list[Any], deadline: datetime.timedelta | None) -> None:
-    """Wait for each of ``works`` (``dist.Work``), within ``deadline`` if there is one."""
-    for work in works:
-        if deadline is None:
-            work.wait()
-        else:
-            work.wait(deadline)
 
 
 class Communicator:
@@ -205,7 +195,7 @@ class Communicator:
         """Broadcast from global rank ``src`` to the active group (or ``group``, a subgroup), in place."""
         with self._timed() as t:
             work = dist.broadcast(tensor, src=src, group=group or self.group, async_op=True)
-            wait_all([work], self.membership.timeout)
+            self.membership.wait([work])
         nbytes = tensor_bytes(tensor)
         size = dist.get_world_size(group) if group is not None else self.size
         self.record(nbytes / size, nbytes / size, t[0])
@@ -238,7 +228,7 @@ class Communicator:
         self.exchange_async(sends, recvs, mean_fraction).wait()
 
     def barrier(self) -> None:
-        wait_all([dist.barrier(group=self.group, async_op=True)], self.membership.timeout)
+        self.membership.wait([dist.barrier(group=self.group, async_op=True)])
 
     def probe_links(self, nbytes: int) -> float:
         """Collective over the active group: time an exchange of ``nbytes`` each way with every other active

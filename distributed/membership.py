@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distributed.alarm import Alarm
+
 _instances = itertools.count()  # Memberships made in this process: every rank makes them in the same order
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for a group or a store without one
 _groups = itertools.count()  # groups this process built: each needs a name of its own in torch's registry
@@ -64,19 +66,29 @@ class Change:
     added: list[int] = field(default_factory=list)  # ranks admitted (a join)
 
 
-def form_group(ranks: list[int], timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+Wait = Callable[[list[Any]], None]  # waits for some works (Membership.wait: one that a loss elsewhere cuts short)
+
+
+def _wait(works: list[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+def form_group(ranks: list[int], timeout: datetime.timedelta | None = None, wait: Wait = _wait) -> dist.ProcessGroup:
     """A process group of ``ranks``, formed by them alone (``use_local_synchronization``), with one collective run on
-    it at once. NCCL creates a communicator lazily, at its first collective, and every member must be in that one:
-    a group whose first operation some members skip (crossover's leaders-only exchange) would wait forever. Gloo
-    connects every pair at ``new_group``, so the CPU never shows it."""
+    it at once (waited for with ``wait``). NCCL creates a communicator lazily, at its first collective, and every
+    member must be in that one: a group whose first operation some members skip (crossover's leaders-only exchange)
+    would wait forever. Gloo connects every pair at ``new_group``, so the CPU never shows it."""
     group = dist.new_group(ranks, use_local_synchronization=True, timeout=timeout)
     nccl = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    wait([dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True)])
     return group
 
 
-def build_group(store: dist.Store, ranks: list[int], rank: int, backend: str, timeout: datetime.timedelta) -> Any:
+def build_group(
+    store: dist.Store, ranks: list[int], rank: int, backend: str, timeout: datetime.timedelta, wait: Wait = _wait
+) -> Any:
     """A process group of ``ranks`` (any ids: ranks of the default group, or of processes that joined later and are
     in no group with the others), met through ``store`` (a prefix only they use), on ``gloo`` or ``nccl``, with
     one collective run on it at once (:func:`form_group` says why). Built as ``new_group`` builds one, but with
@@ -99,7 +111,7 @@ def build_group(store: dist.Store, ranks: list[int], rank: int, backend: str, ti
     group._set_group_desc(name)
     mapping = {r: i for i, r in enumerate(ranks)}
     c10d._register_pg_in_world(group, backend, store, name, backend, rank_mapping=mapping)
-    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    wait([dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True)])
     return group
 
 
@@ -161,6 +173,9 @@ class Membership:
         self._store: Any = None
         self._subgroups: list[dist.ProcessGroup] = []  # groups of some active ranks, replaced with the active group
         self._formed: dict[tuple[int, tuple[int, ...]], int] = {}  # groups built per (generation, ranks)
+        self.alarm = Alarm()  # rung when another rank saw a peer lost (distributed/alarm.py)
+        self._aborted: set[int] = set()  # ids of the groups aborted so far (each is aborted once)
+        self._aborting = threading.Lock()
 
     @property
     def size(self) -> int:
@@ -239,10 +254,51 @@ class Membership:
         ]  # (never the default group: no way to form one again)
         if abort_replaced:
             for group in replaced:
-                dist.distributed_c10d._abort_process_group(group)
+                self._abort(group)
         self.group = self.form(survivors)
         retire(replaced)
         return self.changes[-1]
+
+    def _abort(self, group: Any) -> None:
+        with self._aborting:
+            if id(group) in self._aborted or group not in dist.distributed_c10d._world.pg_map:
+                return
+            self._aborted.add(id(group))
+        dist.distributed_c10d._abort_process_group(group)
+
+    # ---- waits that a loss seen elsewhere cuts short ----------------------------------------------------------
+    def wait(self, works: list[Any]) -> None:
+        """Wait for each of ``works`` (issued on this generation's groups) within ``timeout``: each is done, fails
+        (its error is raised), passes the deadline, or is given up with :class:`~distributed.alarm.PeerLost` once
+        another rank saw a peer lost (:meth:`ring`)."""
+        generation = self.generation
+        self.alarm.check(generation)
+        if self._on_gpu():  # NCCL's wait polls the GPU's work up to the deadline; ring() aborts the communicator
+            for work in works:
+                work.wait() if self.timeout is None else work.wait(self.timeout)
+            return
+        self.alarm.wait(works, generation, self.timeout)
+
+    def relay(self, future: Any) -> Any:
+        """``future`` (of a collective of this generation), or :class:`~distributed.alarm.PeerLost` once another rank
+        saw a peer lost: what a DDP comm hook returns, as DDP waits for it where nothing else can end the wait. On
+        NCCL ``future`` itself: its CUDA events order the streams, and :meth:`wait` after the backward pass is where
+        a lost peer surfaces there."""
+        return future if self._on_gpu() else self.alarm.relay(future, self.generation)
+
+    def ring(self, generation: int, why: str) -> None:
+        """Another rank saw a collective of ``generation`` fail: every wait of it ends with ``PeerLost``, and on
+        NCCL the generation's groups are aborted (what ends a wait there). From any thread; once per generation."""
+        if not self.alarm.ring(generation, why) or generation != self.generation or not self._on_gpu():
+            return
+        for group in [g for g in (self.group, *self._subgroups) if g is not None and g is not dist.group.WORLD]:
+            self._abort(group)
+
+    def _on_gpu(self) -> bool:
+        if self.backend is not None:
+            return self.backend == "nccl"
+        group = self.group  # (None while a group forms: gloo's wait then, which ends as NCCL's does)
+        return group is not None and dist.get_backend(group) == "nccl"
 
     def subgroup(self, ranks: list[int]) -> dist.ProcessGroup:
         """A group of some of the active ranks (only they call it), for an algorithm's own use until the next
@@ -256,12 +312,12 @@ class Membership:
         collective. Built on the run's store when the membership has a backend (processes that joined can be in
         it), through torch's ``new_group`` otherwise."""
         if self.backend is None:
-            return form_group(ranks, self.timeout)
+            return form_group(ranks, self.timeout, self.wait)
         formed = (self.generation, tuple(ranks))
         self._formed[formed] = n = self._formed.get(formed, 0) + 1
         members = "-".join(map(str, ranks)) if len(ranks) <= 16 else f"{ranks[0]}..{ranks[-1]}x{len(ranks)}"
         store = dist.PrefixStore(self.key(f"group/{self.generation}/{members}/{n}/"), self.store)
-        return build_group(store, ranks, self.rank, self.backend, self.timeout or DEFAULT_TIMEOUT)
+        return build_group(store, ranks, self.rank, self.backend, self.timeout or DEFAULT_TIMEOUT, self.wait)
 
     def admit(self, added: list[int], hosts: dict[int, str]) -> Change:
         """Carry out an agreed admission of the ranks ``added`` (processes that asked to join, each with its host):

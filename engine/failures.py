@@ -158,8 +158,9 @@ class Heartbeat:
     collective fails after ``trainer.hang_timeout_s`` (60 s), which leaves room for it up to several thousand ranks.
     Reading every peer every tick would have the store serve N² keys per tick, 5 million a second at 1024 ranks."""
 
-    def __init__(self, membership: Membership):
+    def __init__(self, membership: Membership, alarm_key: Callable[[int], str] | None = None):
         self.membership = membership
+        self.alarm_key = alarm_key  # generation -> the key a rank writes when it sees a collective of it fail
         self._loop: StoreLoop | None = None
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it last changed: time.monotonic)
         self._next = 0  # where among the active ranks the next tick's reads begin
@@ -178,6 +179,7 @@ class Heartbeat:
             store.add(own, 1)
             try:
                 self._watch(store)
+                self._listen(store)
             except Exception:  # a failed read must not stop the beats that tell the others this rank is alive
                 pass
             return False  # beat until stopped
@@ -205,6 +207,16 @@ class Heartbeat:
             if self._seen.get(r, (None, 0.0))[0] != beats:
                 self._seen[r] = (beats, now)
 
+    def _listen(self, store: Any) -> None:
+        """Ring the membership's alarm once another rank has checked in to a failure of the current generation:
+        this rank may be waiting on a collective that nothing will fail here (distributed/alarm.py)."""
+        m = self.membership
+        generation = m.generation
+        if self.alarm_key is None or m.alarm.rung(generation) is not None:
+            return
+        if store.check([self.alarm_key(generation)]):
+            m.ring(generation, f"relaxsync: another rank saw a collective fail (failure {generation}): a peer is lost")
+
     def stop(self) -> None:
         if self._loop is not None:
             self._loop.stop()
@@ -216,7 +228,7 @@ class Failures:
 
     def __init__(self, membership: Membership, hang_timeout_s: float):
         self.membership, self.hang_timeout_s = membership, hang_timeout_s
-        self.heartbeat = Heartbeat(membership)
+        self.heartbeat = Heartbeat(membership, lambda generation: self._key(generation, "in/count"))
 
     def _key(self, generation: int, name: str) -> str:
         return self.membership.key(f"failure{generation}/{name}")

@@ -247,6 +247,35 @@ def test_a_killed_node_leaves_and_the_others_finish_the_run(tmp_path, sync):
     assert "loader_rebuilt" in events and "lr_adjusted" in events
 
 
+def test_a_node_lost_in_a_ring_of_four_is_seen_at_once_by_the_survivor_not_beside_it(tmp_path):
+    """Four nodes, ``kill -9`` of the third: in gloo's ring the first node exchanges with the second and the fourth
+    only, so nothing it waits for fails; its two neighbours, which saw the loss, check in, and that wakes its wait.
+    The run goes on well before ``hang_timeout_s`` (120 s) would have ended that wait."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        *FAST, "data.num_samples=1024", "data.num_val_samples=64", "trainer.epochs=2", "trainer.on_failure=continue",
+        "trainer.hang_timeout_s=120", "straggler=sleep", "straggler.ranks=[2]", "straggler.start_epoch=1",
+        "straggler.sleep_s=0.3",
+    ]  # fmt: skip
+    nodes = start_nodes(4, run_dir, *overrides)
+    wait_for_train_steps(run_dir, 3)
+    victim = next(node for node in nodes if worker_of(node)[1] == 2)
+    worker_pid, _ = worker_of(victim)
+    killed_at = time.time()
+    os.killpg(victim.pid, signal.SIGKILL)
+    os.kill(worker_pid, signal.SIGKILL)
+    metrics = finish([n for n in nodes if n is not victim], run_dir)
+    victim.wait()
+
+    (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
+    assert lost["ranks"] == [2] and lost["cause"] == "died" and lost["world_size"] == 3
+    # Agreed after the 2 s a silent rank is given, not after the deadline (a margin of 60 s for a loaded machine).
+    assert lost["time"] - killed_at < 60, lost
+    (summary,) = records(metrics, "summary")
+    assert summary["finished"] and summary["world_size"] == 3 and summary["replica_spread"] == 0.0
+    assert [r["step"] for r in records(metrics, "train")] == list(range(summary["steps"]))
+
+
 @pytest.mark.full  # ~2 min; in make test, the sampler's test_units case covers the resume at another world size
 def test_a_node_started_later_joins_through_torchrun_scale_up_and_nothing_is_lost_or_repeated(tmp_path):
     """``torchrun --nnodes 2:3`` on two nodes, then a third: the agents stop the two workers with SIGTERM, which
@@ -696,7 +725,10 @@ from distributed.membership import Membership, form_group
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
 log, abort, all_reduce = [], dist.distributed_c10d._abort_process_group, dist.all_reduce
 dist.distributed_c10d._abort_process_group = lambda group=None: (log.append(("abort", group)), abort(group))
-dist.all_reduce = lambda tensor, group=None, **kw: (log.append(("first", group)), all_reduce(tensor, group=group, **kw))
+def spy(tensor, group=None, **kw):
+    log.append(("first", group))
+    return all_reduce(tensor, group=group, **kw)
+dist.all_reduce = spy
 m = Membership(0, 4, form_group([0, 1, 2, 3]))
 assert log == [("first", m.group)], log
 sub = m.subgroup([0, 1])

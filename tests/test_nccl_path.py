@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from algorithms.allreduce import AllReduce, _HookState
 from distributed.comm import Communicator, Pending
+from distributed.membership import Membership
 
 DEADLINE = datetime.timedelta(seconds=3)
 
@@ -35,8 +36,9 @@ class NcclLikeWork:
         return False
 
 
-def membership(timeout: datetime.timedelta | None) -> SimpleNamespace:
-    return SimpleNamespace(generation=0, timeout=timeout, size=2, rank=0, ranks=[0, 1], group=None)
+def membership(timeout: datetime.timedelta | None) -> Membership:
+    """Of two ranks on NCCL, whose waits are the works' own (``wait(timeout)``)."""
+    return Membership(0, 2, timeout=timeout, backend="nccl")
 
 
 @pytest.mark.parametrize("deadline", [DEADLINE, None], ids=["continue", "abort"])
