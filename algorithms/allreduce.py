@@ -72,13 +72,15 @@ class AllReduce(SyncAlgorithm):
     name = "allreduce"
     comm_hook = staticmethod(counted_allreduce_hook)  # what DDP calls for each bucket
 
-    def __init__(self, bucket_cap_mb: float = 25.0):
+    def __init__(self, bucket_cap_mb: float | None = None):
         self.bucket_cap_mb = bucket_cap_mb
 
     @classmethod
     def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
         b = section["bucket_cap_mb"]
-        require(isinstance(b, (int, float)) and b > 0, "sync.bucket_cap_mb", b, "a number of MiB > 0")
+        allowed = "a number of MiB > 0, or null for DDP's own layout (a 1 MiB first bucket, then 25 MiB ones)"
+        number = isinstance(b, (int, float)) and not isinstance(b, bool)
+        require(b is None or (number and b > 0), "sync.bucket_cap_mb", b, allowed)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: SyncContext) -> None:
         super().setup(model, optimizer, ctx)

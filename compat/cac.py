@@ -60,7 +60,7 @@ class RelaxedSyncDistributedDataParallel(nn.Module):
         sleep_time: float = 0.0,
         master_skip: bool = False,
         reference: str = "median",
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float | None = None,
     ):
         super().__init__()
         if not dist.is_initialized():

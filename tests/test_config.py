@@ -62,6 +62,8 @@ BAD = [
     (["schedule.name=linear"], "schedule.name", "linear", "one of cosine, poly, step"),
     (["amp=torch", "amp.dtype=float8"], "amp.dtype", "float8", "one of auto, bfloat16, float16"),
     (["logger.mode=sometimes"], "logger.mode", "sometimes", "one of offline, online, disabled"),
+    (["sync=allreduce", "sync.bucket_cap_mb=0"], "sync.bucket_cap_mb", "0", "a number of MiB > 0, or null"),
+    (["sync=powersgd", "sync.bucket_cap_mb=true"], "sync.bucket_cap_mb", "True", "a number of MiB > 0, or null"),
     (["sync=relaxed", "sync.relaxed_sync_threshold=0.5"], "sync.relaxed_sync_threshold", "0.5", "a factor > 1"),
     (["sync=relaxed", "sync.relaxed_sync_mode_threshold=1.5"], "sync.relaxed_sync_mode_threshold", "1.5", "(0, 1]"),
     (["sync=relaxed", "sync.relaxed_sync_mode_threshold=0"], "sync.relaxed_sync_mode_threshold", "0", "(0, 1]"),
