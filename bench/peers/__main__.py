@@ -49,6 +49,7 @@ class Pair:
     peer_name: str
     same_math: str = ""  # why the updates are the same; empty: they differ by design (``differs`` says how)
     differs: str = ""
+    period: int = 1  # steps from one synchronisation to the next
 
 
 PAIRS: dict[str, Pair] = {
@@ -90,6 +91,7 @@ PAIRS: dict[str, Pair] = {
         "torchft_localsgd",
         "torchft LocalSGD",
         same_math="both average the parameters after every 4th step (ours without BN buffers, as torchft)",
+        period=4,
     ),
     "post_localsgd": Pair(
         "local SGD k=4",
@@ -97,6 +99,7 @@ PAIRS: dict[str, Pair] = {
         "post_localsgd",
         "PostLocalSGDOptimizer",
         same_math="PeriodicModelAverager(period=4, warmup_steps=3): its first averaging after step 3, as ours",
+        period=4,
     ),
     "diloco": Pair(
         "DiLoCo H=16",
@@ -104,6 +107,7 @@ PAIRS: dict[str, Pair] = {
         "torchft_diloco",
         "torchft DiLoCo",
         same_math="both take outer Nesterov SGD (0.7, 0.9) on the averaged pseudo-gradient every 16 steps",
+        period=16,
     ),
 }
 FLOOR = ("sync=none",)
@@ -274,17 +278,19 @@ def failure_table(rows: list[dict[str, Any]]) -> str:
         return "–" if value is None else f"{value:.2f}"
 
     lines = [
-        "| side | standstill after the kill, s | lost steps | standstill for the join, s | steps at each size | "
-        "top-1 |",
-        "|---|---|---|---|---|---|",
+        "| algorithm | side | standstill after the kill, s | lost steps | standstill for the join, s | "
+        "steps at each size | top-1 |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        side = r.get("ours_name", "") if r["side"] == "ours" else r.get("peer_name", r["side"])
+        name = f"| {r.get('ours_name', '')} | {'ours' if r['side'] == 'ours' else side} |"
         if "error" in r:
-            lines.append(f"| {r['side']} | failed: {r['error'][:120]} |||||")
+            lines.append(f"{name} failed: {r['error'][:120]} |||||")
             continue
         sizes = ", ".join(f"{n} × {size}" for size, n in r["world_sizes"])
         lines.append(
-            f"| {r['side']} | {seconds(r['kill_standstill_s'])} | {r['lost_steps']} | "
+            f"{name} {seconds(r['kill_standstill_s'])} | {r['lost_steps']} | "
             f"{seconds(r['join_standstill_s'])} | {sizes} | {r['top1']:.2f}% |"
         )
     return "\n".join(lines)
@@ -313,6 +319,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--failures", action=argparse.BooleanOptionalAction, default=True,
                         help="also a node killed and back, ours beside torchft's DDP (3 nodes)")  # fmt: skip
     parser.add_argument("--failure-rate", default="1gbit", help="the links' rate in the failure runs")
+    parser.add_argument("--failure-pairs", default="allreduce_torchft,localsgd,diloco",
+                        help="pairs whose peer is torchft's, each run with a node killed and back")  # fmt: skip
     parser.add_argument("--failure-steps", type=int, default=90, help="steps of each failure run")
     parser.add_argument("--kill-at", type=int, default=20, help="a node is killed after this many steps")
     parser.add_argument("--back-after", type=int, default=20, help="and comes back this many steps later")
@@ -326,6 +334,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [p for p in args.pairs if p not in PAIRS]
     if unknown:
         parser.error(f"--pairs: {', '.join(unknown)} not one of {', '.join(PAIRS)}")
+    args.failure_pairs = [p for p in args.failure_pairs.split(",") if p]
+    torchft = [k for k, pair in PAIRS.items() if pair.peer.startswith("torchft_")]
+    unknown = [p for p in args.failure_pairs if p not in torchft]
+    if unknown:
+        parser.error(f"--failure-pairs: {', '.join(unknown)} not one of {', '.join(torchft)}")
     return args
 
 
@@ -372,11 +385,17 @@ def main(argv: list[str] | None = None) -> int:
         write(out, "peers", result, table(rows, args))
     if args.failures:
         started = time.perf_counter()
+        failed = []
         with EmulatedNetwork(failures.NODES) as net:
             net.shape(args.failure_rate)
-            failed = failures.run(
-                net, jobs.workdir, args.port + 2000, args.failure_steps, args.kill_at, args.back_after
-            )
+            for i, key in enumerate(args.failure_pairs):
+                pair = PAIRS[key]
+                print(f"bench.peers: failures, {pair.ours} beside {pair.peer_name}", flush=True)
+                rows = failures.run(
+                    net, jobs.workdir / f"failures-{key}", args.port + 2000 + 100 * i, args.failure_steps,
+                    args.kill_at, args.back_after, list(pair.overrides), pair.period, pair.peer,
+                )  # fmt: skip
+                failed += [{"pair": key, "ours_name": pair.ours, "peer_name": pair.peer_name, **r} for r in rows]
         result = {
             "benchmark": "peers-failures", **head, "rate": args.failure_rate, "steps": args.failure_steps,
             "kill_at": args.kill_at, "back_after": args.back_after, "wall_s": time.perf_counter() - started,

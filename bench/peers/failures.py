@@ -1,15 +1,19 @@
-"""A node lost and a node back, ours beside torchft's fault-tolerant DDP, on three emulated nodes.
+"""A node lost and a node back, ours beside torchft, on three emulated nodes, for each algorithm both have.
 
-Ours: ``sync=allreduce trainer.on_failure=continue``, one torchrun per node (as bench/faults starts it); node 2's
-torchrun and worker are killed (``kill -9``) once ``at`` steps are done; ``back`` steps later node 2 runs
-``train.py trainer.join=true`` and is admitted while the others train. torchft: ``torchft.ddp`` with its
-``OptimizerWrapper``, one replica group per node on a lighthouse in node 0 (a quorum needs 2 replicas, a replica is
-given up after 2 s without a heartbeat: our ``SILENT_S``), the same kill, then node 2's torchrun started again with
-the same command: it joins a quorum and is healed from a live replica. Both run the same job for ``steps`` steps.
+Ours: the pair's sync with ``trainer.on_failure=continue``, one torchrun per node (as bench/faults starts it); node
+2's torchrun and worker are killed (``kill -9``) once ``at`` steps are done; ``back`` steps later node 2 runs
+``train.py trainer.join=true`` and is admitted while the others train. torchft: the peer (its fault-tolerant DDP,
+``LocalSGD`` or ``DiLoCo``), one replica group per node on a lighthouse in node 0 (a quorum needs 2 replicas, a
+replica is given up after 2 s without a heartbeat: our ``SILENT_S``), the same kill, then node 2's torchrun started
+again with the same command: it joins a quorum and is healed from a live replica. Both run the same job for
+``steps`` steps.
 
-Per side: the survivors' standstill after the kill and around the join (the gap between the last step completed
-before it and the first kept after, less the run's median step), steps lost (ours: trained again; torchft: trained
-and not committed), the steps at each world size, and the final top-1.
+Per side: the survivors' standstill after the kill and around the join, steps lost, the steps at each world size,
+and the final top-1. The standstill is the time the ``window`` steps after the moment took beyond the ``window``
+steps before it (a window of two periods of local SGD or DiLoCo: a loss is seen at the next synchronisation, which
+is where either side stands still). Steps lost: ours, steps trained again (what was redone); torchft's DDP, steps
+trained and not committed; its local SGD and DiLoCo, the steps since the last synchronisation thrown away at each
+one whose vote failed (the replica goes back to its backup).
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ from bench.faults import Job, kill_node
 from bench.netns import EmulatedNetwork
 from bench.network import node_env, torchrun
 from bench.peers import launch
-from bench.soak import standstill
 from engine.metrics import read_metrics
 
 NODES = 3
@@ -37,9 +40,28 @@ def _events(metrics: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [r for r in metrics if r["kind"] == "event" and r["event"] == name]
 
 
-def ours(net: EmulatedNetwork, workdir: Path, port: int, steps: int, at: int, back: int) -> dict[str, Any]:
+def window(period: int) -> int:
+    """Steps after a moment among which its standstill is looked for: two synchronisations, 8 steps at least."""
+    return max(8, 2 * period)
+
+
+def standstill(train: list[dict[str, Any]], at: float, steps: int) -> float | None:
+    """The survivors' standstill after ``at``: of the ``steps`` steps completed after it, the longest time from one
+    step's end to the next beyond what such a step takes in the run (the median: a synchronising step and a local
+    one apart)."""
+    gaps = [(r, r["time"] - prev["time"]) for prev, r in zip(train, train[1:])]
+    after = [(r, gap) for r, gap in gaps if r["time"] > at][:steps]
+    if len(after) < steps:
+        return None
+    typical = {kind: median(gap for r, gap in gaps if bool(r.get("synced")) == kind) for kind in (False, True)}
+    return max(0.0, max(gap - typical[bool(r.get("synced"))] for r, gap in after))
+
+
+def ours(
+    net: EmulatedNetwork, workdir: Path, port: int, steps: int, at: int, back: int, sync: list[str], period: int
+) -> dict[str, Any]:
     overrides = [
-        "sync=allreduce",
+        *sync,
         "trainer.on_failure=continue",
         f"trainer.max_steps={steps}",
         "trainer.eval_every=1000",
@@ -61,13 +83,12 @@ def ours(net: EmulatedNetwork, workdir: Path, port: int, steps: int, at: int, ba
     train = [r for r in metrics if r["kind"] == "train"]
     numbers = [r["step"] for r in train]
     joined = _events(metrics, "rank_joined")
-    step_s = median(r["step_s"] for r in train)
+    step_s, w = median(r["step_s"] for r in train), window(period)
+    join_at = joined[0]["time"] - joined[0]["admission_s"] if joined else None
     return {
         "side": "ours",
-        "kill_standstill_s": standstill(train, killed_at, step_s),
-        "join_standstill_s": standstill(train, joined[0]["time"] - joined[0]["admission_s"], step_s)
-        if joined
-        else None,
+        "kill_standstill_s": standstill(train, killed_at, w),
+        "join_standstill_s": standstill(train, join_at, min(w, 4)) if joined else None,
         "lost_steps": len(numbers) - len(set(numbers)),
         "world_sizes": _sizes(train, "world_size"),
         "median_step_s": step_s,
@@ -79,15 +100,15 @@ def ours(net: EmulatedNetwork, workdir: Path, port: int, steps: int, at: int, ba
 class Replicas:
     """torchft's side: a lighthouse and one replica group (a torchrun of one worker) per node."""
 
-    def __init__(self, net: EmulatedNetwork, run_dir: Path, port: int, steps: int):
+    def __init__(self, net: EmulatedNetwork, run_dir: Path, port: int, steps: int, peer: str, sync: list[str]):
         self.net, self.run_dir, self.port = net, run_dir, port
         run_dir.mkdir(parents=True)
         self.at = f"{net.address(0)}:{port}"
         with open(run_dir / "lighthouse.log", "w") as log:
             command = [*launch.lighthouse(2, self.at), "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
             net.popen(0, command, stdout=log, stderr=subprocess.STDOUT)
-        overrides = ["experiment=network", "sync=allreduce", f"trainer.max_steps={steps}"]
-        self.command = launch.worker("torchft_ddp", run_dir, overrides)
+        overrides = ["experiment=network", *sync, f"trainer.max_steps={steps}"]
+        self.command = launch.worker(peer, run_dir, overrides)
         self.procs: dict[int, subprocess.Popen] = {}
         for node in range(net.nodes):
             self.start(node)
@@ -112,8 +133,16 @@ class Replicas:
                 raise TimeoutError(f"torchft: {what} not within {timeout:.0f} s")
             time.sleep(0.05)
 
-    def kept(self) -> int:
-        return len([r for r in self.metrics() if r["kind"] == "train" and r["committed"]])
+    def steps(self, size: int | None = None) -> int:
+        """Steps the first replica completed (DDP: committed; with ``size``, by that many participants; local SGD
+        and DiLoCo: trained, or, with ``size``, trained since the first synchronisation of that many)."""
+        train = [r for r in self.metrics() if r["kind"] == "train"]
+        if "committed" in (train[0] if train else {}) and "synced" not in train[0]:  # DDP's every record
+            return len([r for r in train if r["committed"] and (size is None or r["participants"] == size)])
+        if size is None:
+            return len(train)
+        first = next((i for i, r in enumerate(train) if r.get("synced") and r["participants"] == size), None)
+        return 0 if first is None else len(train) - first
 
     def kill(self, node: int) -> float:
         out = subprocess.run(["pgrep", "-P", str(self.procs[node].pid)], capture_output=True, text=True).stdout
@@ -124,13 +153,15 @@ class Replicas:
         return now
 
 
-def torchft(net: EmulatedNetwork, workdir: Path, port: int, steps: int, at: int, back: int) -> dict[str, Any]:
-    replicas = Replicas(net, workdir / "failures-torchft", port, steps)
+def torchft(
+    net: EmulatedNetwork, workdir: Path, port: int, steps: int, at: int, back: int, sync: list[str], period: int,
+    peer: str,
+) -> dict[str, Any]:  # fmt: skip
+    replicas = Replicas(net, workdir / "failures-torchft", port, steps, peer, sync)
     try:
-        full = lambda: [r for r in replicas.metrics() if r["kind"] == "train" and r["participants"] == NODES]  # noqa: E731
-        replicas.wait_for(lambda: len(full()) >= at, 300, f"{at} steps of all {NODES}")
+        replicas.wait_for(lambda: replicas.steps(NODES) >= at, 300, f"{at} steps of all {NODES}")
         killed_at = replicas.kill(NODES - 1)
-        replicas.wait_for(lambda: replicas.kept() >= at + back, 300, f"{at + back} steps")
+        replicas.wait_for(lambda: replicas.steps() >= at + back, 300, f"{at + back} steps")
         started = time.time()
         replicas.start(NODES - 1)
         summary = lambda: [r for r in replicas.metrics() if r["kind"] == "summary"]  # noqa: E731
@@ -139,40 +170,55 @@ def torchft(net: EmulatedNetwork, workdir: Path, port: int, steps: int, at: int,
         net.stop_all(grace_s=2.0)
     metrics = replicas.metrics()
     train = [r for r in metrics if r["kind"] == "train"]
-    kept = [r for r in train if r["committed"]]
-    step_s = median(r["step_s"] for r in kept)
-    rejoined = next((r for r in train if r["time"] > started and r["participants"] == NODES), None)
+    ddp = peer == "torchft_ddp"
+    votes = train if ddp else [r for r in train if r.get("synced")]
+    if ddp:
+        lost = sum(1 for r in train if not r["committed"])
+    else:  # each failed vote throws away the steps since the vote before it
+        lost, previous = 0, -1
+        for r in votes:
+            lost += 0 if r["committed"] else r["step"] - previous
+            previous = r["step"]
+    rejoined = next((r for r in votes if r["time"] > started and r["participants"] == NODES), None)
+    w = window(period)
+    join_at = rejoined["time"] - rejoined["step_s"] if rejoined else None  # (just before the step that took it in)
     return {
         "side": "torchft",
-        "kill_standstill_s": standstill(kept, killed_at, step_s),
-        # the quorum that took it in: the gap before the first step the grown group took
-        "join_standstill_s": standstill(kept, rejoined["time"] - 1e-6, step_s) if rejoined else None,
-        "lost_steps": len(train) - len(kept),
-        "world_sizes": _sizes(kept, "participants"),
-        "median_step_s": step_s,
+        "kill_standstill_s": standstill(train, killed_at, w),
+        "join_standstill_s": standstill(train, join_at, min(w, 4)) if rejoined else None,
+        "lost_steps": lost,
+        "world_sizes": _sizes([r for r in votes if r["committed"]], "participants", 1 if ddp else period),
+        "median_step_s": median(r["step_s"] for r in train),
         "top1": next(r for r in metrics if r["kind"] == "summary")["top1"],
-        "steps": len(kept),
+        "steps": len(train) - (lost if ddp else 0),
     }
 
 
-def _sizes(train: list[dict[str, Any]], key: str) -> list[list[int]]:
-    """[world size, steps at it] in the order they came."""
+def _sizes(train: list[dict[str, Any]], key: str, steps: int = 1) -> list[list[int]]:
+    """[world size, steps at it] in the order they came (each record stands for ``steps`` steps: a
+    synchronisation's vote for the period before it)."""
     runs: list[list[int]] = []
     for r in train:
         if runs and runs[-1][0] == r[key]:
-            runs[-1][1] += 1
+            runs[-1][1] += steps
         else:
-            runs.append([r[key], 1])
+            runs.append([r[key], steps])
     return runs
 
 
-def run(net: EmulatedNetwork, workdir: Path, port: int, steps: int, at: int, back: int) -> list[dict[str, Any]]:
-    """Both sides, ours first; a side that fails is reported with its error."""
-    rows = []
-    for side, fn in (("ours", ours), ("torchft", torchft)):
+def run(
+    net: EmulatedNetwork, workdir: Path, port: int, steps: int, at: int, back: int, sync: list[str], period: int,
+    peer: str,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Both sides, ours first (``sync``: both sides' settings, ``period``: steps between synchronisations); a side
+    that fails is reported with its error."""
+    rows: list[dict[str, Any]] = []
+    sides = {"ours": lambda p: ours(net, workdir, p, steps, at, back, sync, period),
+             "torchft": lambda p: torchft(net, workdir, p, steps, at, back, sync, period, peer)}  # fmt: skip
+    for side, fn in sides.items():
         print(f"[{time.strftime('%H:%M:%S')}] failures: {side}", flush=True)
         try:
-            rows.append(fn(net, workdir, port + 10 * len(rows), steps, at, back))
+            rows.append(fn(port + 10 * len(rows)))
             print(f"  {rows[-1]}", flush=True)
         except (TimeoutError, RuntimeError) as error:
             print(f"  failed: {error}", flush=True)

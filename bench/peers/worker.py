@@ -102,6 +102,7 @@ class TorchftPeer:
         self.replica, self.replicas = int(os.environ["PEER_REPLICA"]), int(os.environ["PEER_REPLICAS"])
         timeout = datetime.timedelta(seconds=float(os.environ.get("PEER_TIMEOUT_S", 60)))
         self.model, self.optimizer, self.name = model, optimizer, name
+        self.period = sync.get("inner_steps") if name == "torchft_diloco" else sync.get("k_steps", 1)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
             load_state_dict=self.load_state_dict,
@@ -145,6 +146,18 @@ class TorchftPeer:
             )  # fmt: skip
         if self.context is not None:
             self.context.__enter__()
+        # Local SGD and DiLoCo vote at each synchronisation (should_commit): kept for report(); a step whose vote
+        # failed is thrown away with everything trained since the last one that passed (the backup is restored).
+        self._votes: list[tuple[bool, int]] = []
+        self._reported = 0
+        vote = self.manager.should_commit
+
+        def recorded(*args: Any, **kwargs: Any) -> bool:
+            passed = vote(*args, **kwargs)
+            self._votes.append((passed, self.manager.num_participants()))
+            return passed
+
+        self.manager.should_commit = recorded  # type: ignore[method-assign]
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
@@ -154,19 +167,28 @@ class TorchftPeer:
         self.optimizer.load_state_dict(state["optimizer"])
 
     def position(self, step: int) -> int:
-        """DDP: the steps the replicas committed (a replica that joined late takes the run's position when it is
-        healed); local SGD and DiLoCo: this replica's own steps (torchft counts their synchronisations)."""
-        return self.manager.current_step() if self.name == "torchft_ddp" else step
+        """DDP: the steps the replicas committed. Local SGD and DiLoCo: this replica's own steps, moved by a period
+        for each synchronisation the Manager counts beyond the votes this replica took part in (torchft counts
+        synchronisations). Either way a replica that joined late takes the run's position once it is healed, and
+        a replica whose vote failed trains the steps it threw away again."""
+        if self.name == "torchft_ddp":
+            return self.manager.current_step()
+        return step + self.period * (self.manager.current_step() - len(self._votes))
 
     def report(self, at: int) -> dict[str, Any]:
-        """Whether the step was kept (DDP: committed by every participant), and by how many replicas."""
-        if self.name != "torchft_ddp":
+        """Whether the step was kept (DDP: committed by every participant), and by how many replicas; local SGD and
+        DiLoCo: at a step that synchronised, whether its vote passed and how many replicas took part."""
+        if self.name == "torchft_ddp":
+            return {"committed": self.manager.current_step() > at, "participants": self.manager.num_participants()}
+        if len(self._votes) == self._reported:
             return {}
-        return {"committed": self.manager.current_step() > at, "participants": self.manager.num_participants()}
+        self._reported = len(self._votes)
+        passed, participants = self._votes[-1]
+        return {"synced": True, "committed": passed, "participants": participants}
 
     def evaluate(self, model: nn.Module, loaders: Loaders) -> float:
-        if self.name != "torchft_ddp":
-            average(model, self.sum, self.replicas)
+        if self.name != "torchft_ddp":  # (over the replicas there at the end: some may have left)
+            average(model, self.sum, lambda: self.manager.num_participants())
             return top1(model, loaders.val, self.sum)
         # DDP's replicas agree; some may have left: the BN statistics of those still here, the whole set on each.
         average(model, self.sum, self.manager.num_participants(), buffers_only=True)
@@ -188,13 +210,19 @@ class TorchftPeer:
 
 # ---- the loop ---------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def average(model: nn.Module, total: Callable[[torch.Tensor], None], replicas: int, buffers_only: bool = False) -> None:
-    """The replicas' average, parameters and BN statistics, in place (``total`` sums a tensor over them)."""
+def average(
+    model: nn.Module,
+    total: Callable[[torch.Tensor], None],
+    replicas: int | Callable[[], int],
+    buffers_only: bool = False,
+) -> None:
+    """The replicas' average, parameters and BN statistics, in place (``total`` sums a tensor over them; ``replicas``
+    is how many, or gives it once the sum is done)."""
     tensors = [] if buffers_only else [p.data for p in model.parameters()]
     tensors += [b for b in model.buffers() if b.is_floating_point()]
     flat = torch.cat([t.reshape(-1) for t in tensors])
     total(flat)
-    flat.div_(replicas)
+    flat.div_(replicas if isinstance(replicas, int) else replicas())
     offset = 0
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
