@@ -28,6 +28,11 @@ rank asks of it does not grow with the number of ranks: a heartbeat tick reads a
 them; the survivors check in on one list and a counter, not a key each; only the first few to check in watch the
 others closely, the rest mostly wait for the decision; and the survivors' positions are written to one list
 (docs/benchmarks/membership.md measures it at up to 1024 ranks).
+
+A dead peer fails a collective at once only on the ranks that exchange with it; the others wait on survivors that
+gave that collective up. So every rank's heartbeat thread also watches for a check-in to a failure of the current
+generation and, seeing one, rings the membership's alarm, which ends every wait of that generation on its rank
+(``distributed/alarm.py``): the rank then checks in like the others, within a beat.
 """
 
 from __future__ import annotations
@@ -151,7 +156,8 @@ class Heartbeat:
     """A background thread that adds 1 to this rank's beat counter in the store every :data:`BEAT_S` seconds and,
     in the same tick, reads the counters of :data:`WATCHED` other ranks, the next ones in turn (one ``multi_get``):
     when a collective fails, how long each peer has already been silent is known by this rank's clock, so a peer
-    that hung long before is recognised at once instead of after watching it for another :data:`SILENT_S`.
+    that hung long before is recognised at once instead of after watching it for another :data:`SILENT_S`. The tick
+    also checks whether another rank checked in to a failure of the current generation (:meth:`_listen`).
 
     Each peer is read every ``ceil((N - 1) / WATCHED)`` ticks: every tick up to 17 ranks, every 12.8 s at 1024. A
     peer silent for that long plus :data:`SILENT_S` before a collective fails is recognised at once; a hang's

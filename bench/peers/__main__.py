@@ -243,6 +243,12 @@ def compare(cell: Cell, key: str, pair: Pair, args: argparse.Namespace) -> dict[
     return row
 
 
+def runs(side: dict[str, Any]) -> str:
+    """How many runs a row's step time is the median of, where more than one."""
+    n = len(side.get("step_s_runs") or [])
+    return f" (median of {n})" if n > 1 else ""
+
+
 def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
         "| nodes | link | ours | peer | s/step ours (× floor) | s/step peer (× floor) | ours / peer | MB/step on the "
@@ -266,7 +272,8 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 else (f"from step {a['first_differs_at']} ({a['first_rel']:.0e}); max {a['max_rel']:.0e}")
             )
         lines.append(
-            f"{head} {o['step_s']:.3f}{floor['ours']} | {p['step_s']:.3f}{floor['peer']} | {r['ours_over_peer']:.2f} | "
+            f"{head} {o['step_s']:.3f}{floor['ours']} | {p['step_s']:.3f}{floor['peer']} | {r['ours_over_peer']:.2f}"
+            f"{runs(o)} | "
             f"{o['wire_bytes_per_step'] / 1e6:.2f} / {p['wire_bytes_per_step'] / 1e6:.2f} | "
             f"{o['top1']:.2f} / {p['top1']:.2f} | {agree} |"
         )

@@ -45,6 +45,12 @@ def window(period: int) -> int:
     return max(8, 2 * period)
 
 
+def synced(record: dict[str, Any]) -> bool:
+    """Whether a train record's step synchronised (ours: local SGD's ``synced``, DiLoCo's ``outer_fragment``;
+    torchft's: a vote)."""
+    return bool(record.get("synced")) or "outer_fragment" in record
+
+
 def standstill(train: list[dict[str, Any]], at: float, steps: int) -> float | None:
     """The survivors' standstill after ``at``: of the ``steps`` steps completed after it, the longest time from one
     step's end to the next beyond what such a step takes in the run (the median: a synchronising step and a local
@@ -53,8 +59,8 @@ def standstill(train: list[dict[str, Any]], at: float, steps: int) -> float | No
     after = [(r, gap) for r, gap in gaps if r["time"] > at][:steps]
     if len(after) < steps:
         return None
-    typical = {kind: median(gap for r, gap in gaps if bool(r.get("synced")) == kind) for kind in (False, True)}
-    return max(0.0, max(gap - typical[bool(r.get("synced"))] for r, gap in after))
+    typical = {kind: median(gap for r, gap in gaps if synced(r) == kind) for kind in (False, True)}
+    return max(0.0, max(gap - typical[synced(r)] for r, gap in after))
 
 
 def ours(
@@ -87,6 +93,8 @@ def ours(
     join_at = joined[0]["time"] - joined[0]["admission_s"] if joined else None
     return {
         "side": "ours",
+        "killed_at": killed_at,
+        "join_at": join_at,
         "kill_standstill_s": standstill(train, killed_at, w),
         "join_standstill_s": standstill(train, join_at, min(w, 4)) if joined else None,
         "lost_steps": len(numbers) - len(set(numbers)),
@@ -184,6 +192,8 @@ def torchft(
     join_at = rejoined["time"] - rejoined["step_s"] if rejoined else None  # (just before the step that took it in)
     return {
         "side": "torchft",
+        "killed_at": killed_at,
+        "restarted_at": started,
         "kill_standstill_s": standstill(train, killed_at, w),
         "join_standstill_s": standstill(train, join_at, min(w, 4)) if rejoined else None,
         "lost_steps": lost,
