@@ -95,8 +95,15 @@ def joining_membership(run_dir: str, hang_timeout_s: float, timeout_s: float) ->
     deadline = datetime.timedelta(seconds=hang_timeout_s)
     membership = Membership(-1, 0, hosts=[], timeout=deadline, backend=where.backend, prefix=where.prefix)
     membership.initial_size, membership.group = where.initial_size, None
-    timeout = datetime.timedelta(seconds=timeout_s)
-    membership._store = dist.TCPStore(where.address, where.port, is_master=False, timeout=timeout)
+    try:  # (reached within hang_timeout_s, or the run it names has ended: its store went with its first node)
+        store = dist.TCPStore(where.address, where.port, is_master=False, timeout=deadline)
+    except dist.DistError as error:
+        raise RuntimeError(
+            f"trainer.join=true: the run in {run_dir} is not reachable at {where.address}:{where.port} "
+            f"({type(error).__name__}); it has ended, or its first node is gone"
+        ) from None
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    membership._store = store
     return membership
 
 

@@ -64,8 +64,8 @@ MEMBERS = [
     "trainer.hang_timeout_s=10",
     "straggler=sleep",
     "straggler.ranks=[0,1]",
-    "straggler.sleep_s=0.1",
-]  # fmt: skip  (48 steps per epoch at 2 ranks, 32 at 3; a tenth of a second each, for a joiner that starts in ~10 s)
+    "straggler.sleep_s=0.2",
+]  # fmt: skip  (48 steps per epoch at 2 ranks, 32 at 3; a fifth of a second each: ~20 s for a joiner to start)
 
 
 def _join_file(run_dir: Path, timeout: float = 120) -> JoinFile:
@@ -125,3 +125,17 @@ def test_a_process_that_asks_to_join_and_dies_before_its_admission_is_given_up(t
     assert [r["step"] for r in steps] == list(range(len(steps))) and len(steps) == 96  # every step once, at 2
     summary = records(metrics, "summary")[-1]
     assert summary["finished"] and summary["world_size"] == 2 and summary["replica_spread"] == 0.0
+
+
+def test_a_process_that_joins_a_run_that_has_ended_says_so_within_the_deadline(tmp_path):
+    """The join file names a store no one serves any more (the run ended, or its first node is gone): the joiner
+    fails within ``hang_timeout_s`` naming the address, instead of waiting out the store's timeout."""
+    from test_faults import free_port
+
+    from engine.joins import joining_membership
+
+    JoinFile("localhost", free_port(), "relaxsync/restart0/membership0", 2, "gloo").write(str(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"trainer.join=true: the run in .* is not reachable at localhost:\d+"):
+        joining_membership(str(tmp_path), hang_timeout_s=1, timeout_s=1800)
+    assert time.monotonic() - started < 600  # (the store's own timeout, 1800 s, would be the wait without it)
