@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from typing import Any
 
 import torch
@@ -83,8 +84,13 @@ class Alarm:
                 futures.append(None)
         if all(f is not None for f in futures):
             for work, future in zip(works, futures):
+                started = time.monotonic()
                 self._wait_for(future, generation, deadline)
-                work.wait() if deadline is None else work.wait(deadline)  # (done: raises its error, if any)
+                if deadline is None:
+                    work.wait()  # (done: raises its error, if any)
+                else:  # (done, or the deadline has passed: the group's own timeout may be longer)
+                    left = deadline.total_seconds() - (time.monotonic() - started)
+                    work.wait(datetime.timedelta(seconds=max(left, 0.001)))
             return
         errors: list[BaseException] = []
         done = threading.Event()
@@ -109,7 +115,7 @@ class Alarm:
         done = threading.Event()
         if self._watch(generation, done):
             future.add_done_callback(lambda _: done.set())
-            done.wait(None if deadline is None else deadline.total_seconds() + 1.0)
+            done.wait(None if deadline is None else deadline.total_seconds())
             self._unwatch(generation, done)
         self.check(generation)
 

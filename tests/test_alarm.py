@@ -68,12 +68,17 @@ def test_a_ring_of_another_generation_leaves_a_wait_alone_and_a_finished_collect
     assert box.tolist() == [0.0, 1.0, 2.0, 3.0] and alarm.rung(2) is None
 
 
-def test_an_error_of_the_collective_itself_is_raised_as_it_is(pair):
+@pytest.mark.parametrize("kind", ["collective", "point to point"])
+def test_the_deadline_ends_a_wait_nobody_rings_for_even_when_the_groups_own_timeout_is_longer(pair, kind):
     alarm = Alarm()
-    work = pair[0].recv([torch.zeros(1)], 1, 0)
+    work = pair[0].allreduce([torch.zeros(1)]) if kind == "collective" else pair[0].recv([torch.zeros(1)], 1, 0)
+    started = time.monotonic()
     with pytest.raises(RuntimeError) as error:
-        alarm.wait([work], 0, datetime.timedelta(seconds=0.3))  # nobody sends and nobody rings: the deadline
+        alarm.wait([work], 0, datetime.timedelta(seconds=0.3))  # nobody takes part and nobody rings
     assert not isinstance(error.value, PeerLost)
+    assert time.monotonic() - started < DEADLINE.total_seconds() / 2  # the wait's deadline, not the group's (60 s)
+    if kind == "collective":  # (rank 1 takes its part, or closing the groups would wait for it; a timed-out receive
+        pair[1].allreduce([torch.zeros(1)]).wait()  # is over, its pair closed)
 
 
 def test_a_relayed_future_carries_the_result_or_the_alarm(pair):
