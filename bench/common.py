@@ -6,6 +6,8 @@ import os
 import platform
 import statistics
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,15 @@ def run(overrides: list[str]) -> list[dict[str, Any]]:
 
 def train_records(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in metrics if r["kind"] == "train"]
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, failure: Callable[[], str]) -> None:
+    """Poll ``predicate`` every 50 ms until it is true; after ``timeout`` s raise ``TimeoutError(failure())``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(failure())
+        time.sleep(0.05)
 
 
 def median(values) -> float:

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, ROOT, machine, median
+from bench.common import RESULTS, ROOT, machine, median, wait_until
 from bench.netns import EmulatedNetwork, parse_rate, unavailable
 from bench.network import node_env
 from engine.metrics import read_metrics
@@ -99,11 +99,7 @@ class Job:
         return [r for r in self.metrics() if r["kind"] == "train"]
 
     def wait_for(self, predicate, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.run_dir.name}: {what} not within {timeout:.0f} s\n{self.tail()}")
-            time.sleep(0.05)
+        wait_until(predicate, timeout, lambda: f"{self.run_dir.name}: {what} not within {timeout:.0f} s\n{self.tail()}")
 
     def wait_steps(self, n: int, timeout: float = 300) -> None:
         self.wait_for(lambda: len(self.steps()) >= n, timeout, f"{n} steps")

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, median
+from bench.common import ROOT, median, wait_until
 from bench.faults import Job, kill_node
 from bench.netns import EmulatedNetwork
 from bench.network import node_env, torchrun
@@ -63,6 +63,17 @@ def standstill(train: list[dict[str, Any]], at: float, steps: int) -> float | No
     return max(0.0, max(gap - typical[synced(r)] for r, gap in after))
 
 
+def standstills(train: list[dict[str, Any]], killed_at: float, join_at: float | None, period: int) -> dict[str, Any]:
+    """A side's standstill after the kill and for the join (None where it did not join), and their moments."""
+    w = window(period)
+    return {
+        "killed_at": killed_at,
+        "join_at": join_at,
+        "kill_standstill_s": standstill(train, killed_at, w),
+        "join_standstill_s": standstill(train, join_at, min(w, 4)) if join_at is not None else None,
+    }
+
+
 def ours(
     net: EmulatedNetwork, workdir: Path, port: int, steps: int, at: int, back: int, sync: list[str], period: int
 ) -> dict[str, Any]:
@@ -89,17 +100,13 @@ def ours(
     train = [r for r in metrics if r["kind"] == "train"]
     numbers = [r["step"] for r in train]
     joined = _events(metrics, "rank_joined")
-    step_s, w = median(r["step_s"] for r in train), window(period)
     join_at = joined[0]["time"] - joined[0]["admission_s"] if joined else None
     return {
         "side": "ours",
-        "killed_at": killed_at,
-        "join_at": join_at,
-        "kill_standstill_s": standstill(train, killed_at, w),
-        "join_standstill_s": standstill(train, join_at, min(w, 4)) if joined else None,
+        **standstills(train, killed_at, join_at, period),
         "lost_steps": len(numbers) - len(set(numbers)),
         "world_sizes": _sizes(train, "world_size"),
-        "median_step_s": step_s,
+        "median_step_s": median(r["step_s"] for r in train),
         "top1": job.summary()["top1"],
         "steps": len(set(numbers)),
     }
@@ -135,11 +142,7 @@ class Replicas:
         return read_metrics(str(path)) if path.exists() else []
 
     def wait_for(self, predicate, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"torchft: {what} not within {timeout:.0f} s")
-            time.sleep(0.05)
+        wait_until(predicate, timeout, lambda: f"torchft: {what} not within {timeout:.0f} s")
 
     def steps(self, size: int | None = None) -> int:
         """Steps the first replica completed (DDP: committed; with ``size``, by that many participants; local SGD
@@ -188,14 +191,11 @@ def torchft(
             lost += 0 if r["committed"] else r["step"] - previous
             previous = r["step"]
     rejoined = next((r for r in votes if r["time"] > started and r["participants"] == NODES), None)
-    w = window(period)
     join_at = rejoined["time"] - rejoined["step_s"] if rejoined else None  # (just before the step that took it in)
     return {
         "side": "torchft",
-        "killed_at": killed_at,
         "restarted_at": started,
-        "kill_standstill_s": standstill(train, killed_at, w),
-        "join_standstill_s": standstill(train, join_at, min(w, 4)) if rejoined else None,
+        **standstills(train, killed_at, join_at, period),
         "lost_steps": lost,
         "world_sizes": _sizes([r for r in votes if r["committed"]], "participants", 1 if ddp else period),
         "median_step_s": median(r["step_s"] for r in train),
