@@ -194,6 +194,12 @@ class SyncAlgorithm:
         """Bring what evaluation and checkpoints read into agreement; default: average BN buffers."""
         self.ctx.comm.average_buffers(self.model)
 
+    def agreement_at(self, steps: int) -> int:
+        """The first count of completed steps from ``steps`` on after which the replicas agree by the algorithm's
+        own exchange, so that ``before_eval()`` has nothing to do there (a join admitted there costs the others
+        no averaging, and no waiting for each other: they have just exchanged). Default: any step."""
+        return steps
+
     def state_dict(self) -> dict[str, Any]:
         """State identical on every rank (saved once)."""
         return {}
@@ -265,6 +271,9 @@ class Wrapper(SyncAlgorithm):
 
     def before_eval(self) -> None:
         self.inner.before_eval()
+
+    def agreement_at(self, steps: int) -> int:
+        return self.inner.agreement_at(steps)
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict()}

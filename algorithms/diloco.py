@@ -108,6 +108,7 @@ class DiLoCo(Replicas):
         self.alpha, self.quantize, self.quant_block = alpha, quantize, quant_block
         self.average_buffers = average_buffers
         self._in_flight: deque[FragmentSync] = deque()
+        self._agreed = False  # the model is the global one (every rank's the same), and no inner step since
 
     @classmethod
     def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
@@ -145,6 +146,7 @@ class DiLoCo(Replicas):
     # ---- the schedule --------------------------------------------------------------------------------------
     def after_optimizer_step(self, result: StepResult) -> SyncReport:
         step, metrics = result.step, {}
+        self._agreed = False
         fragment = fragment_due(step, self.inner_steps, self.fragments)
         if fragment is not None:
             self._in_flight.append(FragmentSync(step + self.delay, fragment, self._start(fragment)))
@@ -156,7 +158,22 @@ class DiLoCo(Replicas):
                 metrics["pseudo_grad_norm"] = norm
         if (step + 1) % self.inner_steps == 0 and self.average_buffers:
             self.ctx.comm.average_buffers(self.model)
+            self._agreed = self._whole and "pseudo_grad_norm" in metrics  # (not after an exchange dropped)
         return SyncReport(metrics=metrics)
+
+    @property
+    def _whole(self) -> bool:
+        """Whether an outer step sets the whole model to the global one, at once: one fragment, no delay, no
+        mixing, the BN statistics averaged with it."""
+        return self.fragments == 1 and self.delay == 0 and not self.alpha and self.average_buffers
+
+    def before_eval(self) -> None:
+        if not self._agreed:  # (right after a whole outer step the replicas are the global model)
+            super().before_eval()
+
+    def agreement_at(self, steps: int) -> int:
+        """The next outer step's count of steps, from ``steps`` on, where an outer step sets the whole model."""
+        return -(-steps // self.inner_steps) * self.inner_steps if self._whole else steps
 
     def drain(self) -> None:
         while self._in_flight:

@@ -45,6 +45,7 @@ class LocalSGD(SyncAlgorithm):
         self.average_buffers, self.average_momentum = average_buffers, average_momentum
         self.next_sync: int | None = None  # the step after which the next averaging happens
         self.num_syncs = 0
+        self._agreed = False  # averaged, and no local step since
 
     @classmethod
     def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
@@ -83,6 +84,7 @@ class LocalSGD(SyncAlgorithm):
             return SyncReport()
         if self.next_sync is None:
             self.next_sync = step + self.k_steps
+        self._agreed = False
         metrics: dict[str, float] = {"k_steps": self.k_steps}
         events: list[dict[str, Any]] = []
         if step + 1 >= self.next_sync:
@@ -124,14 +126,24 @@ class LocalSGD(SyncAlgorithm):
             offset += t.numel()
         self.averaged_extras = flat[offset:]
         self.num_syncs += 1
+        self._agreed = True
         return {"replica_distance": distance, "synced": 1.0}
 
     def before_eval(self) -> None:
         if self.next_sync is None:  # still synchronous: parameters agree, only BN statistics may not
             self.ctx.comm.average_buffers(self.model)
             return
-        # Evaluate and checkpoint the averaged model (the averaging schedule itself is unchanged).
-        self.average()
+        # Evaluate and checkpoint the averaged model (the averaging schedule itself is unchanged); right after an
+        # averaging the replicas are that average already.
+        if not self._agreed:
+            self.average()
+
+    def agreement_at(self, steps: int) -> int:
+        """The next averaging's step count, or one after it (the period as it is now), from ``steps`` on."""
+        first = self.next_sync
+        if first is None:  # still synchronous: any step
+            return steps
+        return first if steps <= first else first + -(-(steps - first) // self.k_steps) * self.k_steps
 
     # ---- state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from typing import Any
 import torch.distributed as dist
 
 from distributed.membership import Change, Membership, StoreLoop
+from distributed.transfer import recv_state, send_state
 
 BEAT_S = 0.2  # heartbeat period
 SILENT_S = 2.0  # a rank that has not beaten for this long (10 beats) is gone
@@ -317,11 +318,9 @@ class Failures:
         m = self.membership
         if m.rank == recovery.source:
             for r in recovery.behind:
-                dist.send_object_list([snapshot(Position.read(recovery.where[r]))], dst=r, group=m.group)
+                send_state(snapshot(Position.read(recovery.where[r])), r, m.group)
         elif m.rank in recovery.behind:
-            box: list[Any] = [None]
-            dist.recv_object_list(box, src=recovery.source, group=m.group)
-            return box[0]
+            return recv_state(recovery.source, m.group)
         return None
 
     def _decided(self, generation: int) -> dict[str, Any] | None:

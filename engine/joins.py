@@ -33,6 +33,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -40,11 +41,13 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from distributed.membership import LeftRun, Membership, StoreLoop
+from distributed.transfer import recv_state, send_state
 from engine.failures import Phase
 from engine.guard import Site, _on_cpu
 
 POLL_S = 0.2  # how often a member looks for tickets
 MARGIN = 2  # steps a member may still train after it promised, before it waits for the admission step
+ALIGN = 16  # steps further a promise may go to reach the sync algorithm's own agreement (local SGD's averaging)
 JOIN_FILE = "join.json"
 
 
@@ -115,8 +118,9 @@ def ticket_rank(initial_size: int, ticket: int) -> int:
 class Admissions:
     """The members' side: tickets seen, promises made, the admission step agreed (:meth:`due`)."""
 
-    def __init__(self, membership: Membership, wait_s: float):
+    def __init__(self, membership: Membership, wait_s: float, agreement_at: Callable[[int], int] = lambda n: n):
         self.membership, self.wait_s = membership, wait_s
+        self.agreement_at = agreement_at  # the sync algorithm's (SyncAlgorithm.agreement_at)
         self.admitted = 0  # tickets admitted so far (1..admitted)
         self.rounds = 0  # admissions carried out so far
         self.decision: dict[str, Any] | None = None  # the next admission, once agreed
@@ -152,10 +156,19 @@ class Admissions:
         if self._promise is not None or int(store.add(self.key("tickets"), 0)) <= self.admitted:
             return False
         with self._lock:
-            self._promise = promise = self._at + MARGIN
+            self._promise = promise = self.promise(self._at)
             round_ = self.rounds + 1
         store.set(self.key(f"{round_}/promise/{self.membership.rank}"), str(promise))
         return False
+
+    def promise(self, at: int) -> int:
+        """The step this rank promises at ``at`` steps completed: :data:`MARGIN` steps on, or, within :data:`ALIGN`
+        steps after that, where the replicas next agree by the sync algorithm's own exchange (the largest promise,
+        the admission step, is then such a step too where the period is the same on every rank: local SGD at
+        k_steps <= ALIGN, DiLoCo at inner_steps <= ALIGN)."""
+        early = at + MARGIN
+        aligned = self.agreement_at(early)
+        return aligned if early <= aligned <= early + ALIGN else early
 
     def due(self, step: int) -> dict[str, Any] | None:
         """At a step boundary, ``step`` steps completed: the admission to carry out now, if one is agreed for this
@@ -258,7 +271,8 @@ class Joins:
     with ``trainer.join=true``, its way in. Every part runs under the failure guard (:class:`Phase` ``JOIN``)."""
 
     def __init__(self, membership: Membership, hang_timeout_s: float, host: Host):
-        self.admissions, self.host = Admissions(membership, hang_timeout_s), host
+        self.admissions = Admissions(membership, hang_timeout_s, lambda steps: host.sync.agreement_at(steps))
+        self.host = host
 
     def start(self, step: int) -> None:
         self.admissions.start(step, self.host.run_dir)
@@ -300,7 +314,7 @@ class Joins:
         if m.rank == _source(m, joiners):
             for r in joiners:
                 if r in m.ranks:
-                    dist.send_object_list([state], dst=r, group=m.group)
+                    send_state(state, r, m.group)
         send_s = lap()
         host.reshape(state, own=host.sync.local_state_dict())
         admissions.done(record)
@@ -328,10 +342,9 @@ class Joins:
         if m.rank not in m.ranks:
             m.enter(record)
             m.admit(list(joiners), joiners)
-        box: list[Any] = [None]
-        dist.recv_object_list(box, src=_source(m, joiners), group=m.group)
-        host.load_replica(box[0])
-        host.reshape(box[0], own=None)
+        state = recv_state(_source(m, joiners), m.group)
+        host.load_replica(state)
+        host.reshape(state, own=None)
         self.admissions.done(record)
 
 

@@ -91,3 +91,27 @@ def test_streaming_bytes_are_the_int8_fragments(contract_runs):
         assert r["bytes_sent"] == expected, r["step"]
     dense = 4 * sum(p.numel() for p in model.parameters())
     assert sum(r["bytes_sent"] for r in steps) < 6 * dense / 8  # vs allreduce every step
+
+
+def test_right_after_a_whole_outer_step_the_replicas_agree_without_another_exchange():
+    """After an outer step that sets the whole model (one fragment, no delay), every replica is the global model:
+    ``before_eval()`` exchanges nothing until the next inner step, and ``agreement_at`` names the outer steps' step
+    counts. With fragments, no step has every replica the same, and any step is as good as another."""
+    from _counting import set_up, step
+
+    from algorithms.diloco import DiLoCo
+
+    diloco = DiLoCo(inner_steps=4)
+    comm = set_up(diloco)
+    for index in range(4):
+        step(diloco, index)
+    assert comm.calls == ["all_reduce_async", "average_buffers"]
+    diloco.before_eval()
+    assert len(comm.calls) == 2
+    step(diloco, 4)
+    diloco.before_eval()
+    assert comm.calls[2:] == ["all_reduce_coalesced"]
+    assert [diloco.agreement_at(n) for n in (5, 8, 9)] == [8, 8, 12]
+    streaming = DiLoCo(inner_steps=4, fragments=2)
+    set_up(streaming)
+    assert streaming.agreement_at(5) == 5

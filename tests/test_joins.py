@@ -139,3 +139,17 @@ def test_a_process_that_joins_a_run_that_has_ended_says_so_within_the_deadline(t
     with pytest.raises(RuntimeError, match=r"trainer.join=true: the run in .* is not reachable at localhost:\d+"):
         joining_membership(str(tmp_path), hang_timeout_s=1, timeout_s=1800)
     assert time.monotonic() - started < 600  # (the store's own timeout, 1800 s, would be the wait without it)
+
+
+def test_a_promise_goes_to_the_algorithms_next_agreement_when_it_is_near():
+    """A member promises MARGIN steps on, or the sync algorithm's next agreement when that is at most ALIGN steps
+    further; the largest promise is then such a step as well (the period is the same on every rank)."""
+    from engine.joins import ALIGN, MARGIN, Admissions
+
+    anywhere = Admissions(None, 1.0)
+    assert anywhere.promise(10) == 10 + MARGIN
+    every_4 = Admissions(None, 1.0, lambda n: -(-n // 4) * 4)
+    promises = [every_4.promise(at) for at in (9, 10, 11, 13)]
+    assert promises == [12, 12, 16, 16] and all(p % 4 == 0 for p in promises)
+    far = Admissions(None, 1.0, lambda n: n + ALIGN + 1)
+    assert far.promise(10) == 10 + MARGIN

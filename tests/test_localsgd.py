@@ -93,3 +93,25 @@ def test_resume_keeps_step_counter_and_period(tmp_path):
     first_sync = next(r["step"] for r in resumed if r.get("synced"))
     assert first_sync + 1 == saved["next_sync"]  # the averaging schedule continued
     assert all(r["bytes_sent"] == 0 for r in resumed if r["step"] < first_sync)  # no synchronous warm-up again
+
+
+def test_right_after_an_averaging_the_replicas_agree_without_another_exchange():
+    """Evaluation, checkpoints and joins settle the replicas with ``before_eval()``: right after an averaging it has
+    nothing to exchange, after a local step it averages; ``agreement_at`` names the averagings' step counts, where
+    a join is admitted when one is near."""
+    from _counting import set_up, step
+
+    from algorithms.localsgd import LocalSGD
+
+    sgd = LocalSGD(begin_step=0, k_steps=4)
+    comm = set_up(sgd)
+    assert sgd.agreement_at(3) == 3  # (synchronous still: any step)
+    for index in range(4):  # the fourth step completed averages
+        step(sgd, index)
+    assert comm.calls == ["all_reduce"]
+    sgd.before_eval()
+    assert comm.calls == ["all_reduce"]
+    step(sgd, 4)
+    sgd.before_eval()
+    assert comm.calls == ["all_reduce", "all_reduce"]
+    assert [sgd.agreement_at(n) for n in (5, 8, 9, 12, 13)] == [8, 8, 12, 12, 16]
