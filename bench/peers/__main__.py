@@ -296,11 +296,16 @@ def failure_table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{name} failed: {r['error'][:120]} |||||")
             continue
         sizes = ", ".join(f"{n} × {size}" for size, n in r["world_sizes"])
-        lines.append(
-            f"{name} {seconds(r['kill_standstill_s'])} | {r['lost_steps']} | "
-            f"{seconds(r['join_standstill_s'])} | {sizes} | {r['top1']:.2f}% |"
-        )
+        failed = f" ({len(r['failed'])} run(s) failed)" if r.get("failed") else ""
+        kill, join = (seconds(r[k]) + each_run(r, k) for k in ("kill_standstill_s", "join_standstill_s"))
+        lines.append(f"{name} {kill} | {r['lost_steps']} | {join} | {sizes} | {r['top1']:.2f}%{failed} |")
     return "\n".join(lines)
+
+
+def each_run(row: dict[str, Any], name: str) -> str:
+    """Each run's value of a median shown, where there was more than one."""
+    values = row.get(f"{name}_runs", [])
+    return f" ({', '.join(f'{v:.2f}' for v in values)})" if len(values) > 1 else ""
 
 
 def report(out: Path, args: argparse.Namespace) -> int:
@@ -329,6 +334,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--failure-pairs", default="allreduce_torchft,localsgd,diloco",
                         help="pairs whose peer is torchft's, each run with a node killed and back")  # fmt: skip
     parser.add_argument("--failure-steps", type=int, default=90, help="steps of each failure run")
+    parser.add_argument("--failure-repeats", type=int, default=3,
+                        help="runs of each failure pair (alternating which side runs first; medians)")  # fmt: skip
     parser.add_argument("--kill-at", type=int, default=20, help="a node is killed after this many steps")
     parser.add_argument("--back-after", type=int, default=20, help="and comes back this many steps later")
     parser.add_argument("--report", action="store_true", help="the tables again from --out's peers.json")
@@ -395,20 +402,22 @@ def main(argv: list[str] | None = None) -> int:
         failed = []
         with EmulatedNetwork(failures.NODES) as net:
             net.shape(args.failure_rate)
-            for i, key in enumerate(args.failure_pairs):
-                pair = PAIRS[key]
-                print(f"bench.peers: failures, {pair.ours} beside {pair.peer_name}", flush=True)
-                rows = failures.run(
-                    net, jobs.workdir / f"failures-{key}", args.port + 2000 + 100 * i, args.failure_steps,
-                    args.kill_at, args.back_after, list(pair.overrides), pair.period, pair.peer,
-                )  # fmt: skip
-                failed += [{"pair": key, "ours_name": pair.ours, "peer_name": pair.peer_name, **r} for r in rows]
+            for attempt in range(args.failure_repeats):
+                for i, key in enumerate(args.failure_pairs):
+                    pair = PAIRS[key]
+                    print(f"bench.peers: failures, {pair.ours} beside {pair.peer_name}", flush=True)
+                    rows = failures.run(
+                        net, jobs.workdir / f"failures-{key}", args.port + 2000 + 100 * i + 20 * attempt,
+                        args.failure_steps, args.kill_at, args.back_after, list(pair.overrides), pair.period,
+                        pair.peer, attempt,
+                    )  # fmt: skip
+                    failed += [{"pair": key, "ours_name": pair.ours, "peer_name": pair.peer_name, **r} for r in rows]
         result = {
             "benchmark": "peers-failures", **head, "rate": args.failure_rate, "steps": args.failure_steps,
-            "kill_at": args.kill_at, "back_after": args.back_after, "wall_s": time.perf_counter() - started,
-            "rows": failed,
+            "kill_at": args.kill_at, "back_after": args.back_after, "repeats": args.failure_repeats,
+            "wall_s": time.perf_counter() - started, "rows": failed,
         }  # fmt: skip
-        write(out, "peers-failures", result, failure_table(failed))
+        write(out, "peers-failures", result, failure_table(failures.summary(failed)))
     return 0
 
 

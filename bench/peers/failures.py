@@ -82,6 +82,7 @@ def ours(
         "trainer.on_failure=continue",
         f"trainer.max_steps={steps}",
         "trainer.eval_every=1000",
+        "trainer.checkpoint_every=0",  # (the peer's worker writes none: no epoch-end checkpoint in the standstill)
     ]
     job = Job(net, workdir / "failures-ours", port, overrides, str(NODES), 0, epochs=100)
     try:
@@ -142,7 +143,17 @@ class Replicas:
         return read_metrics(str(path)) if path.exists() else []
 
     def wait_for(self, predicate, timeout: float, what: str) -> None:
-        wait_until(predicate, timeout, lambda: f"torchft: {what} not within {timeout:.0f} s")
+        """Until ``predicate()``; fails after ``timeout`` s, or as soon as every replica's torchrun has exited."""
+
+        def done() -> bool:
+            if predicate():
+                return True
+            codes = [proc.poll() for proc in self.procs.values()]
+            if all(code is not None for code in codes):
+                raise RuntimeError(f"torchft: every replica exited (status {codes}) before {what}")
+            return False
+
+        wait_until(done, timeout, lambda: f"torchft: {what} not within {timeout:.0f} s")
 
     def steps(self, size: int | None = None) -> int:
         """Steps the first replica completed (DDP: committed; with ``size``, by that many participants; local SGD
@@ -218,19 +229,43 @@ def _sizes(train: list[dict[str, Any]], key: str, steps: int = 1) -> list[list[i
 
 def run(
     net: EmulatedNetwork, workdir: Path, port: int, steps: int, at: int, back: int, sync: list[str], period: int,
-    peer: str,
+    peer: str, attempt: int = 0,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Both sides, ours first (``sync``: both sides' settings, ``period``: steps between synchronisations); a side
-    that fails is reported with its error."""
+    """Both sides (``sync``: both sides' settings, ``period``: steps between synchronisations), ours first in even
+    ``attempt``s and second in odd ones; a side that fails is reported with its error."""
     rows: list[dict[str, Any]] = []
-    sides = {"ours": lambda p: ours(net, workdir, p, steps, at, back, sync, period),
-             "torchft": lambda p: torchft(net, workdir, p, steps, at, back, sync, period, peer)}  # fmt: skip
-    for side, fn in sides.items():
-        print(f"[{time.strftime('%H:%M:%S')}] failures: {side}", flush=True)
+    sides = {"ours": lambda p, d: ours(net, d, p, steps, at, back, sync, period),
+             "torchft": lambda p, d: torchft(net, d, p, steps, at, back, sync, period, peer)}  # fmt: skip
+    order = list(sides) if attempt % 2 == 0 else list(reversed(sides))
+    for side in order:
+        print(f"[{time.strftime('%H:%M:%S')}] failures: {side} (run {attempt + 1})", flush=True)
         try:
-            rows.append(fn(port + 10 * len(rows)))
+            rows.append({**sides[side](port + 10 * len(rows), workdir / f"run{attempt + 1}"), "attempt": attempt})
             print(f"  {rows[-1]}", flush=True)
         except (TimeoutError, RuntimeError) as error:
             print(f"  failed: {error}", flush=True)
-            rows.append({"side": side, "error": str(error)})
+            rows.append({"side": side, "error": str(error), "attempt": attempt})
     return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per pair and side from the runs of each: the median of each standstill and of the top-1 (and every
+    run's value), the most steps any run lost, the sizes of the first run that finished; a side none of whose runs
+    finished keeps the first error."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+        key = (r.get("pair", ""), r["side"])
+        out.setdefault(key, {**{k: r[k] for k in ("pair", "ours_name", "peer_name", "side") if k in r}, "runs": []})
+        out[key]["runs"].append(r)
+    for row in out.values():
+        done = [r for r in row["runs"] if "error" not in r]
+        if not done:
+            row["error"] = row["runs"][0]["error"]
+            continue
+        for name in ("kill_standstill_s", "join_standstill_s", "top1"):
+            values = [r[name] for r in done if r.get(name) is not None]
+            row[name], row[f"{name}_runs"] = (median(values) if values else None), values
+        row["lost_steps"] = max(r["lost_steps"] for r in done)
+        row["world_sizes"], row["finished"] = done[0]["world_sizes"], len(done)
+        row["failed"] = [r["error"] for r in row["runs"] if "error" in r]
+    return list(out.values())
