@@ -66,3 +66,30 @@ def test_the_standstill_is_the_longest_wait_for_a_step_beyond_what_such_a_step_t
     assert standstill(train, 10.5, 4) == 4.0
     assert standstill(train, 1.5, 8) == 0.0  # (a window before the stall: its synchronisations take what they do)
     assert (window(1), window(4), window(16)) == (8, 8, 32)
+
+
+def test_the_failure_table_gives_each_sides_medians_over_its_runs_and_the_most_steps_any_lost():
+    from bench.peers.__main__ import failure_table
+    from bench.peers.failures import summary
+
+    def run(side, kill, join, lost, top1):
+        return {"pair": "localsgd", "ours_name": "local SGD", "peer_name": "torchft LocalSGD", "side": side,
+                "kill_standstill_s": kill, "join_standstill_s": join, "lost_steps": lost, "top1": top1,
+                "world_sizes": [[3, 20], [2, 40]]}  # fmt: skip
+
+    rows = [run("ours", 0.3, 0.5, 0, 94.0), run("torchft", 1.0, 0.4, 4, 93.0), run("ours", 0.1, None, 0, 95.0),
+            run("torchft", 2.0, 0.6, 0, 92.0), run("ours", 0.2, 0.7, 1, 96.0),
+            {"pair": "localsgd", "side": "torchft", "error": "every replica exited"}]  # fmt: skip
+    ours, theirs = summary(rows)
+    assert (ours["kill_standstill_s"], ours["join_standstill_s"], ours["lost_steps"], ours["top1"]) == (
+        0.2,
+        0.6,
+        1,
+        95.0,
+    )  # fmt: skip  (a run without a join leaves it out)
+    assert (theirs["kill_standstill_s"], theirs["lost_steps"], theirs["finished"]) == (1.5, 4, 2)
+    assert theirs["failed"] == ["every replica exited"]
+    table = failure_table([ours, theirs])
+    assert "| 0.20 (0.30, 0.10, 0.20) | 1 | 0.60 (0.50, 0.70) |" in table and "(1 run(s) failed)" in table
+    (failed,) = summary([{"pair": "allreduce", "side": "torchft", "error": "crashed"}])
+    assert "failed: crashed" in failure_table([failed])
