@@ -108,7 +108,7 @@ class DiLoCo(Replicas):
         self.alpha, self.quantize, self.quant_block = alpha, quantize, quant_block
         self.average_buffers = average_buffers
         self._in_flight: deque[FragmentSync] = deque()
-        self._agreed = False  # the model is the global one (every rank's the same), and no inner step since
+        self._agreed = False  # the model's parameters are the global ones (every rank's), no inner step since
 
     @classmethod
     def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
@@ -156,23 +156,25 @@ class DiLoCo(Replicas):
             self._in_flight.popleft()
             if norm is not None:
                 metrics["pseudo_grad_norm"] = norm
+        self._agreed = self._whole and "pseudo_grad_norm" in metrics  # (not after an exchange dropped)
         if (step + 1) % self.inner_steps == 0 and self.average_buffers:
             self.ctx.comm.average_buffers(self.model)
-            self._agreed = self._whole and "pseudo_grad_norm" in metrics  # (not after an exchange dropped)
         return SyncReport(metrics=metrics)
 
     @property
     def _whole(self) -> bool:
-        """Whether an outer step sets the whole model to the global one, at once: one fragment, no delay, no
-        mixing, the BN statistics averaged with it."""
-        return self.fragments == 1 and self.delay == 0 and not self.alpha and self.average_buffers
+        """Whether an outer step sets every parameter to the global one at once: one fragment, no delay, no
+        mixing."""
+        return self.fragments == 1 and self.delay == 0 and not self.alpha
 
     def before_eval(self) -> None:
-        if not self._agreed:  # (right after a whole outer step the replicas are the global model)
-            super().before_eval()
+        if not self._agreed:
+            super().before_eval()  # the replicas' parameters and BN statistics
+        elif not self.average_buffers:  # (right after a whole outer step the parameters are the global ones)
+            self.ctx.comm.average_buffers(self.model)
 
     def agreement_at(self, steps: int) -> int:
-        """The next outer step's count of steps, from ``steps`` on, where an outer step sets the whole model."""
+        """The next outer step's count of steps, from ``steps`` on, where an outer step sets every parameter."""
         return -(-steps // self.inner_steps) * self.inner_steps if self._whole else steps
 
     def drain(self) -> None:
@@ -220,8 +222,13 @@ class DiLoCo(Replicas):
 
     # ---- state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"global_params": self.global_params, "momentum": self.momentum}
+        """The outer parameters and momentum; the parameters as None right after a whole outer step, where they are
+        the model's own (fp32): a checkpoint, or the state a joining process receives, holds them once."""
+        own = self._agreed and all(p.dtype == torch.float32 for p in self.parameters())
+        return {"global_params": None if own else self.global_params, "momentum": self.momentum}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.global_params.copy_(state["global_params"])
+        """(After the model's own state: the outer parameters may be its parameters.)"""
+        shared = state["global_params"]
+        self.global_params.copy_(self.flat_parameters() if shared is None else shared)
         self.momentum.copy_(state["momentum"])

@@ -115,3 +115,34 @@ def test_right_after_a_whole_outer_step_the_replicas_agree_without_another_excha
     streaming = DiLoCo(inner_steps=4, fragments=2)
     set_up(streaming)
     assert streaming.agreement_at(5) == 5
+    own_statistics = DiLoCo(inner_steps=4, average_buffers=False)  # (each replica keeps its BN statistics)
+    comm = set_up(own_statistics)
+    for index in range(4):
+        step(own_statistics, index)
+    own_statistics.before_eval()
+    assert comm.calls == ["all_reduce_async", "average_buffers"]  # the statistics alone
+
+
+def test_right_after_a_whole_outer_step_the_state_holds_the_outer_parameters_once():
+    """They are the model's parameters then: the state (a checkpoint's, a joining process's) leaves them out, and
+    loading it after the model's own state gives them back; after an inner step it holds them."""
+    from _counting import set_up, step
+
+    from algorithms.diloco import DiLoCo
+
+    diloco = DiLoCo(inner_steps=2, outer_lr=0.5, outer_momentum=0.9)
+    set_up(diloco)
+    for index in range(2):
+        step(diloco, index)
+    state = diloco.state_dict()
+    assert state["global_params"] is None and torch.equal(diloco.flat_parameters(), diloco.global_params)
+    outer, momentum = diloco.global_params.clone(), diloco.momentum.clone()
+    fresh = DiLoCo(inner_steps=2, outer_lr=0.5, outer_momentum=0.9)
+    set_up(fresh, diloco.model)  # (the model already holds the state's parameters)
+    fresh.global_params.zero_()
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.global_params, outer) and torch.equal(fresh.momentum, momentum)
+    with torch.no_grad():
+        diloco.model[0].weight.add_(1.0)  # an inner step
+    step(diloco, 2)
+    assert torch.equal(diloco.state_dict()["global_params"], outer)

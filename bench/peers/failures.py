@@ -9,9 +9,10 @@ again with the same command: it joins a quorum and is healed from a live replica
 ``steps`` steps.
 
 Per side: the survivors' standstill after the kill and around the join, steps lost, the steps at each world size,
-and the final top-1. The standstill is the time the ``window`` steps after the moment took beyond the ``window``
-steps before it (a window of two periods of local SGD or DiLoCo: a loss is seen at the next synchronisation, which
-is where either side stands still). Steps lost: ours, steps trained again (what was redone); torchft's DDP, steps
+and the final top-1. The standstill is the longest wait for a step among the ``window`` steps after the moment,
+beyond what such a step takes in the run (a window of two periods of local SGD or DiLoCo: a loss is seen at the
+next synchronisation, and a joining replica that is late holds the others up there, which is where either side
+stands still). Steps lost: ours, steps trained again (what was redone); torchft's DDP, steps
 trained and not committed; its local SGD and DiLoCo, the steps since the last synchronisation thrown away at each
 one whose vote failed (the replica goes back to its backup).
 """
@@ -70,7 +71,7 @@ def standstills(train: list[dict[str, Any]], killed_at: float, join_at: float | 
         "killed_at": killed_at,
         "join_at": join_at,
         "kill_standstill_s": standstill(train, killed_at, w),
-        "join_standstill_s": standstill(train, join_at, min(w, 4)) if join_at is not None else None,
+        "join_standstill_s": standstill(train, join_at, w) if join_at is not None else None,
     }
 
 
