@@ -333,7 +333,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--failure-rate", default="1gbit", help="the links' rate in the failure runs")
     parser.add_argument("--failure-pairs", default="allreduce_torchft,localsgd,diloco",
                         help="pairs whose peer is torchft's, each run with a node killed and back")  # fmt: skip
-    parser.add_argument("--failure-steps", type=int, default=110,
+    parser.add_argument("--failure-steps", type=int, default=130,
                         help="steps of each failure run (two periods after the join, for its standstill)")  # fmt: skip
     parser.add_argument("--failure-repeats", type=int, default=3,
                         help="runs of each failure pair (alternating which side runs first; medians)")  # fmt: skip
