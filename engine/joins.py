@@ -42,8 +42,9 @@ import torch.distributed as dist
 
 from distributed.membership import LeftRun, Membership, StoreLoop
 from distributed.transfer import recv_state, send_state
+from distributed.world import init_distributed
 from engine.failures import Phase
-from engine.guard import Site, _on_cpu
+from engine.guard import Site, _on_cpu, training_membership
 
 POLL_S = 0.2  # how often a member looks for tickets
 MARGIN = 2  # steps a member may still train after it promised, before it waits for the admission step
@@ -108,6 +109,17 @@ def joining_membership(run_dir: str, hang_timeout_s: float, timeout_s: float) ->
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     membership._store = store
     return membership
+
+
+def worker_membership(t: dict[str, Any], device: Any, rank: int, world_size: int, run_dir: str) -> Membership:
+    """A worker's membership (``t``: the trainer section): the active ranks and their group; on a process that
+    joins (``trainer.join``), the run's store and no ranks yet."""
+    if t["join"]:
+        return joining_membership(run_dir, t["hang_timeout_s"], t["timeout_s"])
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        init_distributed(backend, t["timeout_s"], t["on_failure"] == "continue")
+    return training_membership(t["on_failure"], t["hang_timeout_s"], rank, world_size)
 
 
 def ticket_rank(initial_size: int, ticket: int) -> int:

@@ -1,9 +1,10 @@
 """The trainer: it builds its components from the resolved config and runs epochs of steps; every other job is a
 component with its own *when* and *what* (torchtitan's shape): the run's position (``engine.state``), checkpoints
 (``engine.checkpoint``), evaluation (``engine.evaluate``), records (``engine.metrics``), the failure guard chosen
-once (``engine.guard``), a stop on SIGTERM (``engine.stop``). :meth:`Trainer.state_dict` is the one way state is
-checkpointed and sent to a healed rank; :meth:`Trainer.apply` carries out every hook's report. Nothing here
-depends on which sync algorithm runs: ``algorithms/base.py`` states the contract.
+once (``engine.guard``), joins (``engine.joins``), a stop on SIGTERM (``engine.stop``). :meth:`Trainer.state_dict` is
+the one way state is checkpointed and sent to a healed or joining rank; :meth:`Trainer.apply` carries out every
+hook's report (``engine.reports``). Nothing here depends on which sync algorithm runs: ``algorithms/base.py``
+states the contract.
 """
 
 from __future__ import annotations
@@ -19,19 +20,20 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
 
-from algorithms.base import RebuildTrainLoader, ScaleLR, StepResult, SyncContext, SyncReport
+from algorithms.base import StepResult, SyncContext, SyncReport
 from data.common import Loaders, build_data
 from distributed.comm import Communicator
-from distributed.membership import Membership, retire
-from distributed.world import init_distributed, select_device
+from distributed.membership import retire
+from distributed.world import select_device
 from engine.checkpoint import Checkpointer
 from engine.evaluate import Evaluation, Evaluator, reached_target
 from engine.failures import Phase
-from engine.guard import Site, build_guard, training_membership
-from engine.joins import Joins, joining_membership
+from engine.guard import Site, build_guard
+from engine.joins import Joins, worker_membership
 from engine.launchers import launcher_name
 from engine.metrics import NoLogger, Recorder, progress_bar, shown
 from engine.optim import build_replica, build_schedule
+from engine.reports import carry_out
 from engine.state import LoopState, RunState
 from engine.stop import StopRequest
 
@@ -45,7 +47,9 @@ class Trainer:
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.device = select_device(t["device"], int(os.environ.get("LOCAL_RANK", 0)))
         self.joining = bool(t["join"])  # a process that joins a running world (engine/joins.py)
-        self.membership = self._membership(t)
+        self.membership = worker_membership(t, self.device, self.rank, self.world_size, run_dir)
+        if self.joining:  # (its id comes with its ticket)
+            self.rank, self.world_size = -1, self.membership.initial_size
         self.comm = Communicator(self.membership)
         torch.manual_seed(t["seed"])  # the same on every rank: identical initial replicas (without DDP too)
         self.data = data = build_data(cfg["data"])
@@ -87,18 +91,6 @@ class Trainer:
             f"({self.num_params / 1e6:.2f} M params), sync {self.sync.name}, {self.loaders.steps_per_epoch} "
             f"steps/epoch, global batch {self.batch_size * self.world_size}, run dir {shown(run_dir)}"
         )
-
-    def _membership(self, t: dict[str, Any]) -> Membership:
-        """The active ranks and their group; on a process that joins, the run's store and no ranks yet (its id
-        comes with its ticket)."""
-        if self.joining:
-            membership = joining_membership(self.run_dir, t["hang_timeout_s"], t["timeout_s"])
-            self.rank, self.world_size = -1, membership.initial_size
-            return membership
-        if not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            init_distributed(backend, t["timeout_s"], t["on_failure"] == "continue")
-        return training_membership(t["on_failure"], t["hang_timeout_s"], self.rank, self.world_size)
 
     @property
     def step(self) -> int:
@@ -268,35 +260,8 @@ class Trainer:
         return report, StepResult(self.step, epoch, loss.item(), lr, stepped, data_s, compute_s), slept
 
     def apply(self, report: SyncReport, epoch: int, at_epoch_start: bool = False) -> None:
-        """Follow the membership changes since the last call (the algorithm answers each with a report of its own),
-        record the events and carry out the requests. Training shards change only between epochs: a reshard asked
-        mid-epoch waits for the next one."""
-        m = self.membership
-        changes, self.loop.changes_applied = m.changes[self.loop.changes_applied :], len(m.changes)
-        if changes:
-            report = SyncReport(events=list(report.events), requests=list(report.requests))  # (the caller's stays)
-            for change in changes:
-                report += self.sync.on_membership_change(change)
-            self.recorder.elect()  # the logging rank may have left
-        for event in report.events:
-            self.recorder.event(event, epoch, self.step)
-        reshard = any(isinstance(r, RebuildTrainLoader) for r in report.requests)
-        train_now = at_epoch_start and (reshard or self.loop.reshard_next_epoch)
-        if changes or train_now:
-            self.loaders.build(m.size, m.index, train=train_now)
-        self.loop.reshard_next_epoch = (self.loop.reshard_next_epoch or reshard) and not train_now
-        if changes or reshard:
-            event = {
-                "event": "loader_rebuilt",
-                "loaders": ["train", "val"] if reshard else ["val"],
-                "world_size": m.size,
-            }
-            self.recorder.event({**event, "deferred_to_next_epoch": reshard and not at_epoch_start}, epoch, self.step)
-        for request in report.requests:
-            if isinstance(request, ScaleLR):
-                self.schedule.scale = request.scale
-                event = {"event": "lr_adjusted", "scale": request.scale, "policy": request.policy}
-                self.recorder.event({**event, "world_size": m.size}, epoch, self.step)
+        """Carry out a hook's report (``engine/reports.py``), following the membership changes since the last."""
+        carry_out(self, report, epoch, at_epoch_start)
 
     # ---- joins (engine/joins.py) ------------------------------------------------------------------------------
     def reshape(self, state: dict[str, Any], own: dict[str, Any] | None) -> None:

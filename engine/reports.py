@@ -1,0 +1,49 @@
+"""Carrying out what the sync algorithm's hooks report (``algorithms/base.py``'s :class:`SyncReport`): the trainer
+calls :func:`carry_out` after each hook, and the failure guard after a membership change, which the algorithm
+answers with a report of its own (``on_membership_change``). Nothing here depends on which algorithm runs."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from algorithms.base import RebuildTrainLoader, ScaleLR, SyncReport
+
+
+class Host(Protocol):
+    """What carrying out a report uses of the trainer."""
+
+    membership: Any  # distributed.membership.Membership
+    loop: Any  # engine.state.LoopState
+    sync: Any  # the sync algorithm
+    recorder: Any  # engine.metrics.Recorder
+    loaders: Any  # data.common.Loaders
+    schedule: Any  # engine.optim's LR schedule
+    step: int
+
+
+def carry_out(host: Host, report: SyncReport, epoch: int, at_epoch_start: bool = False) -> None:
+    """Follow the membership changes since the last call (the algorithm answers each with a report of its own),
+    record the events and carry out the requests. Training shards change only between epochs: a reshard asked
+    mid-epoch waits for the next one."""
+    m, loop, recorder = host.membership, host.loop, host.recorder
+    changes, loop.changes_applied = m.changes[loop.changes_applied :], len(m.changes)
+    if changes:
+        report = SyncReport(events=list(report.events), requests=list(report.requests))  # (the caller's stays)
+        for change in changes:
+            report += host.sync.on_membership_change(change)
+        recorder.elect()  # the logging rank may have left
+    for event in report.events:
+        recorder.event(event, epoch, host.step)
+    reshard = any(isinstance(r, RebuildTrainLoader) for r in report.requests)
+    train_now = at_epoch_start and (reshard or loop.reshard_next_epoch)
+    if changes or train_now:
+        host.loaders.build(m.size, m.index, train=train_now)
+    loop.reshard_next_epoch = (loop.reshard_next_epoch or reshard) and not train_now
+    if changes or reshard:
+        event = {"event": "loader_rebuilt", "loaders": ["train", "val"] if reshard else ["val"], "world_size": m.size}
+        recorder.event({**event, "deferred_to_next_epoch": reshard and not at_epoch_start}, epoch, host.step)
+    for request in report.requests:
+        if isinstance(request, ScaleLR):
+            host.schedule.scale = request.scale
+            event = {"event": "lr_adjusted", "scale": request.scale, "policy": request.policy}
+            recorder.event({**event, "world_size": m.size}, epoch, host.step)
