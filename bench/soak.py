@@ -40,7 +40,9 @@ from engine.metrics import read_metrics
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 SYNCS = ("allreduce", "localsgd", "dgc", "sgp", "diloco")
-EXTRA = {"localsgd": ["sync.k_steps=4"], "diloco": ["sync.inner_steps=8"], "dgc": ["sync.min_compress_numel=1024"]}
+# (allreduce in 0.25 MiB buckets: a kill lands among several, some of which only some ranks issued)
+EXTRA = {"allreduce": ["sync.bucket_cap_mb=0.25"], "localsgd": ["sync.k_steps=4"], "diloco": ["sync.inner_steps=8"],
+         "dgc": ["sync.min_compress_numel=1024"]}  # fmt: skip
 
 
 def overrides(sync: str, args: argparse.Namespace) -> list[str]:
