@@ -27,7 +27,6 @@ import json
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +38,6 @@ from distributed.alarm import Alarm
 
 _instances = itertools.count()  # Memberships made in this process: every rank makes them in the same order
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for a group or a store without one
-LINGER_MARGIN_S = 5.0  # a replaced group is let go this long after the timeout of what was abandoned on it
 _groups = itertools.count()  # groups this process built: each needs a name of its own in torch's registry
 
 
@@ -117,56 +115,12 @@ def build_group(
     return group
 
 
-def retire(groups: list[Any], linger_s: float = 0.0) -> None:
+def retire(groups: list[Any]) -> None:
     """Destroy groups replaced by a change (after any abort): each holds connections to its members, and a run
-    that changes all day would otherwise keep one set per change open.
-
-    A gloo group's destructor waits for every collective still queued on it, and one abandoned when a peer was lost
-    (a bucket the others never reached) ends only at the group's timeout: with ``linger_s`` (past that timeout)
-    the objects are held that long by a thread of their own (:class:`_Reaper`), which lets them go there, so
-    that no survivor stands still in whatever drops the last reference (the change itself, the sync algorithm's
-    old DDP)."""
+    that changes all day would otherwise keep one set per change open."""
     for group in groups:
         if group in dist.distributed_c10d._world.pg_map:
             dist.destroy_process_group(group)
-    if linger_s > 0 and groups:
-        _reaper.hold(groups, linger_s)
-
-
-class _Reaper:
-    """Holds retired groups for a while on a daemon thread, and lets them go there."""
-
-    def __init__(self) -> None:
-        self._held: list[tuple[float, list[Any]]] = []  # (monotonic time to let go, groups)
-        self._wake = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def hold(self, groups: list[Any], linger_s: float) -> None:
-        with self._wake:
-            self._held.append((time.monotonic() + linger_s, list(groups)))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="relaxsync-retired-groups", daemon=True)
-                self._thread.start()
-            self._wake.notify()
-
-    def held(self) -> int:
-        """Groups held now."""
-        with self._wake:
-            return sum(len(groups) for _, groups in self._held)
-
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                now = time.monotonic()
-                due = [entry for entry in self._held if entry[0] <= now]
-                self._held = [entry for entry in self._held if entry[0] > now]
-                if not due:
-                    self._wake.wait(min((t for t, _ in self._held), default=now + 3600.0) - now)
-                    continue
-            due.clear()  # (the last references, dropped here: a destructor that waits, waits on this thread)
-
-
-_reaper = _Reaper()
 
 
 def run_store(timeout: datetime.timedelta | None = None) -> dist.Store:
@@ -302,12 +256,8 @@ class Membership:
             for group in replaced:
                 self._abort(group)
         self.group = self.form(survivors)
-        retire(replaced, linger_s=self._linger_s())
+        retire(replaced)
         return self.changes[-1]
-
-    def _linger_s(self) -> float:
-        """How long a replaced group is held before it is let go: past the timeout of what was abandoned on it."""
-        return (self.timeout or DEFAULT_TIMEOUT).total_seconds() + LINGER_MARGIN_S
 
     def _abort(self, group: Any) -> None:
         with self._aborting:

@@ -99,32 +99,3 @@ def test_a_relayed_future_carries_the_result_or_the_alarm(pair):
         relayed.wait()
     with pytest.raises(RuntimeError, match="peer 2 is lost"):  # relayed after the ring: failed at once
         alarm.relay(torch.futures.Future(), 5).wait()
-
-
-def test_a_group_replaced_with_a_collective_abandoned_on_it_is_let_go_without_waiting_for_that_collective():
-    """A gloo group's destructor waits for what is queued on it: a survivor that dropped a replaced group with a
-    bucket abandoned on it stood still until that bucket's timeout. ``retire`` holds such groups past it on a
-    thread of its own, which lets them go there."""
-    from distributed.membership import _reaper, retire
-
-    timeout = datetime.timedelta(seconds=8)
-    store, groups = dist.HashStore(), [None, None]
-
-    def form(rank: int) -> None:
-        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timeout)
-
-    threads = [threading.Thread(target=form, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    groups[0].allreduce([torch.zeros(4)])  # rank 1 never takes part: it waits until the timeout
-    before = _reaper.held()
-    started = time.monotonic()
-    retire([groups.pop(0)], linger_s=timeout.total_seconds() + 1)  # (and this was the last reference here)
-    assert time.monotonic() - started < timeout.total_seconds() / 2  # not the destructor's wait
-    assert _reaper.held() == before + 1
-    deadline = time.monotonic() + 60
-    while _reaper.held() > before:  # let go once the collective has timed out
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
