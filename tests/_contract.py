@@ -13,7 +13,12 @@ from hydra.utils import get_class
 from algorithms.base import Wrapper
 
 OPTIONS = sorted(p.stem for p in (CONF_DIR / "sync").glob("*.yaml"))
-WRAPPERS = [o for o in OPTIONS if issubclass(get_class(plain_cfg(f"sync={o}")["sync"]["_target_"]), Wrapper)]
+# (composed for the CPU: a GPU machine with fewer GPUs than trainer.nproc refuses the config)
+WRAPPERS = [
+    o
+    for o in OPTIONS
+    if issubclass(get_class(plain_cfg(f"sync={o}", "trainer.device=cpu")["sync"]["_target_"]), Wrapper)
+]
 # Options that make each algorithm's state matter within 2 x 3 steps (an averaging period that straddles the
 # checkpoint, more tensors compressed); a wrapped algorithm takes them under sync.inner.
 STATEFUL = {

@@ -44,6 +44,22 @@ def need_gpus(n: int) -> None:
         pytest.skip(f"{n} NCCL ranks need {n} GPUs; this machine has {torch.cuda.device_count()}")
 
 
+def node_environ(node: int) -> dict[str, str]:
+    """Under ``make test-gpu``, what makes process ``node`` of a multi-node test a node of its own: a GPU of its own
+    where there are enough; else a GPU shared with other nodes, and a host of its own for NCCL (``NCCL_HOSTID``),
+    which then connects the nodes over sockets, as it connects hosts. (NCCL refuses two ranks on one GPU of one
+    host.) Elsewhere nothing: the nodes run on the CPU with gloo."""
+    if not ON_GPU:
+        return {}
+    count = torch.cuda.device_count()
+    if count > node:
+        return {"CUDA_VISIBLE_DEVICES": str(node)}
+    if count == 0:
+        pytest.skip("no GPU in sight")
+    return {"CUDA_VISIBLE_DEVICES": str(node % count), "NCCL_HOSTID": f"relaxsync-test-node{node}",
+            "NCCL_SOCKET_IFNAME": "lo"}  # fmt: skip
+
+
 def train(run_dir: Path, *overrides: str, entrypoint=None) -> tuple[dict | None, list[dict]]:
     """Launch a real job (elastic launcher; gloo, or NCCL under ``make test-gpu``) in-process; return (summary,
     metrics records)."""

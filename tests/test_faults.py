@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, ON_GPU, ROOT, load_model_state, need_gpus, records, train
+from conftest import FAST, ROOT, load_model_state, node_environ, records, train
 
 from bench.netns import unavailable as _netns_unavailable
 from engine.checkpoint import load
@@ -137,9 +137,7 @@ def start_node(
 ) -> subprocess.Popen:
     """Node ``node``'s torchrun agent (the first hosts the rendezvous at ``port``)."""
     environ = dict(env(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **environ)
-    if ON_GPU:  # (make test-gpu: each node a GPU of its own, as on a cluster)
-        need_gpus(int(nnodes))
-        environ["CUDA_VISIBLE_DEVICES"] = str(node)
+    environ.update(node_environ(node))  # (make test-gpu: each node a GPU, or a host for NCCL, of its own)
     launcher = [
         TORCHRUN, "--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "0", "--monitor-interval", "0.5",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_dir.name,
@@ -754,13 +752,46 @@ print("ok")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
+def test_a_group_is_built_and_registered_where_torch_has_the_registry_helper_under_its_older_name():
+    """The groups a run forms after a change are entered in torch's registry by a private helper of torch's, named
+    ``_register_pg_in_world`` in torch 2.15 and ``_update_process_group_global_state`` in 2.11 (a cluster's torch
+    may be older than the pinned one; on 2.11 every run under ``on_failure=continue`` stopped at its first group).
+    With only the older name there, a group of a rank that joined later (global rank 5, group rank 0) is built,
+    runs its collective, maps its ranks as new_group's do, and is destroyed cleanly. In a process of its own."""
+    script = """
+import datetime
+import torch, torch.distributed as dist
+from distributed.membership import build_group, retire
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+c10d = dist.distributed_c10d  # (as on torch 2.11, from here on)
+c10d._update_process_group_global_state = c10d._register_pg_in_world
+del c10d._register_pg_in_world
+group = build_group(dist.HashStore(), [5], 5, "gloo", datetime.timedelta(seconds=30))
+assert dist.get_process_group_ranks(group) == [5] and dist.get_backend(group) == "gloo"
+assert c10d.get_group_rank(group, 5) == 0 and group in c10d._world.pg_map
+box = torch.ones(3)
+dist.broadcast(box, src=5, group=group)
+retire([group])
+assert group not in c10d._world.pg_map
+print("ok")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=dict(env(), PYTHONPATH=str(ROOT)), capture_output=True, text=True
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
 def test_under_continue_nccl_is_kept_from_ending_the_survivors():
     """torch's NCCL watchdog ends a process whose collective failed unless its mode is 0 or 2; torchrun's agent
-    gives its workers 1. A worker of a run that survives failures sets 2 over it (and over torch's default, 3)."""
-    from distributed.world import NCCL_ERROR_HANDLING, nccl_environment
+    gives its workers 1. A worker of a run that survives failures sets 2 over it (and over torch's default, 3).
+    It also asks for no flight-recorder dump on a failure, which the watchdog waits 60 s for (seen on a GPU),
+    unless the user asked for one either way."""
+    from distributed.world import NCCL_DUMP_ON_TIMEOUT, NCCL_ERROR_HANDLING, nccl_environment
 
-    assert nccl_environment(True, {}) == {NCCL_ERROR_HANDLING: "2"}
-    assert nccl_environment(True, {NCCL_ERROR_HANDLING: "1"}) == {NCCL_ERROR_HANDLING: "2"}  # torchrun's
-    assert nccl_environment(True, {NCCL_ERROR_HANDLING: "3"}) == {NCCL_ERROR_HANDLING: "2"}
-    assert nccl_environment(True, {NCCL_ERROR_HANDLING: "0"}) == {}
+    no_dump = {NCCL_DUMP_ON_TIMEOUT: "0"}
+    assert nccl_environment(True, {}) == {NCCL_ERROR_HANDLING: "2", **no_dump}
+    assert nccl_environment(True, {NCCL_ERROR_HANDLING: "1"}) == {NCCL_ERROR_HANDLING: "2", **no_dump}  # torchrun's
+    assert nccl_environment(True, {NCCL_ERROR_HANDLING: "3"}) == {NCCL_ERROR_HANDLING: "2", **no_dump}
+    assert nccl_environment(True, {NCCL_ERROR_HANDLING: "0"}) == no_dump
+    assert nccl_environment(True, {NCCL_ERROR_HANDLING: "2", NCCL_DUMP_ON_TIMEOUT: "1"}) == {}  # the user's choice
     assert nccl_environment(False, {NCCL_ERROR_HANDLING: "1"}) == {}  # under abort, torchrun's choice stands

@@ -125,3 +125,64 @@ def test_dgc_resumes_on_cuda_exactly_where_it_stopped(tmp_path):
     uninterrupted, resumed = run(None), run(3)
     for r in range(n):
         assert torch.equal(resumed[r][0], uninterrupted[r][0]) and torch.equal(resumed[r][1], uninterrupted[r][1])
+
+
+def _exchange_over_nccl(rank: int, init: str, out: str, on_cuda: bool) -> None:
+    import os
+
+    import torch.distributed as dist
+    from test_transfer import a_state
+
+    from distributed.transfer import recv_state, send_state
+
+    os.environ["NCCL_HOSTID"] = f"relaxsync-test-node{rank}"  # (two "hosts" on one GPU: NCCL connects them by socket)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2)
+    try:
+        if rank == 0:
+            state = a_state()
+            if on_cuda:  # (every tensor on the GPU, as a CUDA run's replica is; one held twice stays one)
+                state = _on_cuda(state, {})
+            send_state(state, dst=1)
+        else:
+            torch.save(recv_state(src=0), out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+def test_a_state_sent_over_nccl_arrives_on_the_cpu_as_it_was_sent(tmp_path, where):
+    """The NCCL branch of distributed/transfer.py: the buffers travel on the GPU and arrive on the CPU, bit for bit,
+    with a tensor held twice one object again (the sender's tensors on the CPU or on the GPU)."""
+    import torch.multiprocessing as mp
+    from test_transfer import a_state, assert_same
+
+    out = tmp_path / "received.pt"
+    mp.start_processes(
+        _exchange_over_nccl, args=(f"file://{tmp_path}/store", str(out), where == "cuda"), nprocs=2,
+        start_method="spawn",
+    )  # fmt: skip
+    got = torch.load(out, weights_only=False)
+    assert all(t.device.type == "cpu" for t in got["model"].values())
+    assert_same(got, a_state())
+    assert got["tied"] is got["model"]["w"]
+
+
+def _on_cuda(value, moved: dict):
+    """``value`` with every tensor moved to the GPU, containers kept as they are (an OrderedDict, a named tuple),
+    a tensor held twice moved once."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in moved:
+            moved[id(value)] = value.cuda()
+        return moved[id(value)]
+    if isinstance(value, dict):
+        out = value.copy()
+        for key, item in value.items():
+            out[key] = _on_cuda(item, moved)
+        return out
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_on_cuda(item, moved) for item in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cuda(item, moved) for item in value)
+    return value

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from _contract import JOIN_CASES, JOIN_IDS, JOIN_LAST_STEP, run_joins
-from conftest import FAST, ROOT, records
+from conftest import FAST, ROOT, node_environ, records
 from test_contract import _assert_same, _load
 from test_faults import cli, env, finish, start_nodes, tail, wait_for_train_steps
 
@@ -87,7 +87,8 @@ def test_a_process_that_joins_is_admitted_without_stopping_the_others(tmp_path):
     log = open(tmp_path / "run-node2.log", "w")  # (read by tail() and finish() with the nodes' logs)
     joiner = subprocess.Popen(
         cli(*MEMBERS, "trainer.join=true", f"trainer.run_dir={run_dir}", "trainer.nproc=1"),
-        cwd=ROOT, env=dict(env(), OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=ROOT, env=dict(env(), OMP_NUM_THREADS="1", **node_environ(2)), stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
     )  # fmt: skip
     metrics = finish(nodes, run_dir, timeout=300)
     assert joiner.wait(timeout=120) == 0, tail(run_dir)
