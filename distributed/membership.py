@@ -94,7 +94,6 @@ def build_group(
     one collective run on it at once (:func:`form_group` says why). Built as ``new_group`` builds one, but with
     torch's map from ids to group ranks taken from ``ranks``, so that ``send(dst=id)``, ``broadcast(src=id)``
     and DDP work on it in every member, whether or not the member is in the default group."""
-    c10d = dist.distributed_c10d
     index, size, name = ranks.index(rank), len(ranks), f"relaxsync-{next(_groups)}"  # (a name per process)
     group = dist.ProcessGroup(store, index, size)
     if backend == "nccl":
@@ -110,9 +109,20 @@ def build_group(
     group._set_group_name(name)
     group._set_group_desc(name)
     mapping = {r: i for i, r in enumerate(ranks)}
-    c10d._register_pg_in_world(group, backend, store, name, backend, rank_mapping=mapping)
+    _register_in_world(group, backend, store, name, mapping)
     wait([dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True)])
     return group
+
+
+def _register_in_world(group: Any, backend: str, store: dist.Store, name: str, mapping: dict[int, int]) -> None:
+    """Enter ``group`` in torch's registry of groups (by name, backend, store, tag and ranks), as ``new_group`` does:
+    a private helper of torch's, ``_register_pg_in_world`` in torch 2.15 and ``_update_process_group_global_state``,
+    with the same arguments, in 2.11 (a cluster's torch may be older than the pinned one)."""
+    c10d = dist.distributed_c10d
+    if hasattr(c10d, "_register_pg_in_world"):
+        c10d._register_pg_in_world(group, backend, store, name, backend, rank_mapping=mapping)
+    else:
+        c10d._update_process_group_global_state(group, backend, store, name, backend, rank_mapping=mapping)
 
 
 def retire(groups: list[Any]) -> None:
