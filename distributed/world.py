@@ -24,13 +24,24 @@ def select_device(name: str, local_rank: int) -> torch.device:
 # worker sets 2 over it, before its process group reads it, unless the mode already is one that survives.
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 SURVIVING_NCCL_MODES = ("0", "2")
+# On a failed collective the watchdog of the first group to see it also asks for torch's flight-recorder dump and
+# waits for it, up to TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, before it cleans up. On a GPU (torch 2.11) every
+# survivor of a killed node stood still 60 s before its recovery went on, once per failed collective, and a peer
+# frozen that long was taken for hung. A run that survives failures expects them: it asks for no dump, unless the
+# user set the variable.
+NCCL_DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
 
 
 def nccl_environment(survive_failures: bool, env: os._Environ | dict = os.environ) -> dict[str, str]:
     """What a worker sets in its environment before an NCCL process group."""
-    if survive_failures and env.get(NCCL_ERROR_HANDLING) not in SURVIVING_NCCL_MODES:
-        return {NCCL_ERROR_HANDLING: "2"}
-    return {}
+    if not survive_failures:
+        return {}
+    out = {}
+    if env.get(NCCL_ERROR_HANDLING) not in SURVIVING_NCCL_MODES:
+        out[NCCL_ERROR_HANDLING] = "2"
+    if NCCL_DUMP_ON_TIMEOUT not in env:
+        out[NCCL_DUMP_ON_TIMEOUT] = "0"
+    return out
 
 
 def init_distributed(backend: str, timeout_s: float, survive_failures: bool = False) -> None:

@@ -162,7 +162,7 @@ class SurvivingGuard:
         changes = self.failures.membership.changes
         self._reported = len(changes)  # the changes a rank_lost event has named
         while True:
-            if not may_be_a_loss(error):
+            if not (may_be_a_loss(error) or self._alarm_rang()):
                 raise error
             try:
                 self._recover(error, epoch)
@@ -171,6 +171,13 @@ class SurvivingGuard:
                 raise
             except Exception as again:
                 error = again
+
+    def _alarm_rang(self) -> bool:
+        """Whether another rank saw a collective of this generation fail. On NCCL that aborted the generation's
+        groups (distributed/alarm.py), and a collective this rank then issued on one raised an error of Python's
+        own (``ValueError``: the group has left torch's registry): the loss's doing, not this rank's code."""
+        membership = self.failures.membership
+        return membership.alarm.rung(membership.generation) is not None
 
     def _recover(self, error: BaseException, epoch: int) -> None:
         """After ``error``: agree on who is gone, regroup and follow the change; on a survivor one collective

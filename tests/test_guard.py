@@ -113,6 +113,39 @@ def test_a_peer_lost_while_the_survivors_agree_is_agreed_on_in_turn_and_each_los
     assert [e["ranks"] for e in guard._lost] == [[2, 3], [1]] and guard.lost_ranks == [2, 3, 1]
 
 
+def test_an_error_of_pythons_own_is_a_loss_once_the_alarm_of_its_generation_rang():
+    """On NCCL the alarm aborts the generation's groups, and a bucket DDP's hook issues afterwards on one raises
+    ``ValueError`` (the group has left torch's registry: seen on a GPU, where it ended a survivor). Once another
+    rank rang the alarm of the generation such an error is a loss like a failed collective; before, or for a
+    generation gone by, it is this rank's own and ends the run."""
+    from distributed.membership import Membership
+    from engine.guard import SurvivingGuard
+
+    unregistered = ValueError("Process group <...> is not initialized in the world group map.")
+    host, membership = _Host(), Membership(0, 3)
+    guard = SurvivingGuard(membership, 3.0, host)
+    guard.failures.recover = _agreeing(membership, [([2], None)])
+    attempts = []
+
+    def step():
+        attempts.append(membership.generation)
+        if len(attempts) == 1:
+            membership.alarm.ring(membership.generation, "rank 1 saw rank 2 lost")  # (and aborted the group)
+            raise unregistered
+        return "stepped"
+
+    assert guard.run(Phase.STEP, step, epoch=1) == "stepped"
+    assert attempts == [0, 1] and membership.ranks == [0, 1] and guard.lost_ranks == [2]
+
+    membership.alarm.ring(0, "an old generation's alarm")  # (rung already: nothing changes)
+
+    def own_error():
+        raise unregistered  # no alarm of generation 1 has rung
+
+    with pytest.raises(ValueError, match="world group map"):
+        guard.run(Phase.STEP, own_error, epoch=1)
+
+
 def test_an_error_of_the_recovery_that_is_no_loss_ends_the_run_and_an_unreachable_store_is_never_retried():
     from distributed.membership import Membership
     from engine.failures import StoreUnreachable
