@@ -35,10 +35,12 @@ import torch
 import torch.distributed as dist
 
 from distributed.alarm import Alarm
+from distributed.connections import Connections, noted
 
 _instances = itertools.count()  # Memberships made in this process: every rank makes them in the same order
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for a group or a store without one
 _groups = itertools.count()  # groups this process built: each needs a name of its own in torch's registry
+_connections: dict[int, Connections] = {}  # id of a gloo group built here -> its TCP connections (retire cuts them)
 
 
 class LeftRun(SystemExit):
@@ -79,7 +81,9 @@ def form_group(ranks: list[int], timeout: datetime.timedelta | None = None, wait
     it at once (waited for with ``wait``). NCCL creates a communicator lazily, at its first collective, and every
     member must be in that one: a group whose first operation some members skip (crossover's leaders-only exchange)
     would wait forever. Gloo connects every pair at ``new_group``, so the CPU never shows it."""
-    group = dist.new_group(ranks, use_local_synchronization=True, timeout=timeout)
+    with noted(_store_port()) as made:
+        group = dist.new_group(ranks, use_local_synchronization=True, timeout=timeout)
+    _note(group, made)
     nccl = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     wait([dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True)])
@@ -103,7 +107,9 @@ def build_group(
         implementation: Any = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", store), index, size, options)
     else:
         device, kind = torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO
-        implementation = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), index, size, timeout)
+        with noted(_store_port()) as made:
+            implementation = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), index, size, timeout)
+        _note(group, made)
     group._set_default_backend(kind)
     group._register_backend(torch.device(device.type), kind, implementation)
     group._set_group_name(name)
@@ -127,10 +133,26 @@ def _register_in_world(group: Any, backend: str, store: dist.Store, name: str, m
 
 def retire(groups: list[Any]) -> None:
     """Destroy groups replaced by a change (after any abort): each holds connections to its members, and a run
-    that changes all day would otherwise keep one set per change open."""
+    that changes all day would otherwise keep one set per change open. A gloo group's connections are shut down
+    first: its destructor waits for every collective still on it until the group's timeout, and after a loss two
+    survivors can each hold one the other never issued (distributed/connections.py)."""
     for group in groups:
+        connections = _connections.pop(id(group), None)
+        if connections is not None:
+            connections.shut_down()
         if group in dist.distributed_c10d._world.pg_map:
             dist.destroy_process_group(group)
+
+
+def _note(group: Any, made: list[Connections]) -> None:
+    if made and made[0].sockets:
+        _connections[id(group)] = made[0]
+
+
+def _store_port() -> int | None:
+    """The port of the run's c10d store (MASTER_PORT), whose connections a group's never are."""
+    port = os.environ.get("MASTER_PORT")
+    return int(port) if port and port.isdigit() else None
 
 
 def run_store(timeout: datetime.timedelta | None = None) -> dist.Store:
