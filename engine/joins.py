@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from distributed.membership import LeftRun, Membership, StoreLoop
 from distributed.transfer import recv_state, send_state
-from distributed.world import init_distributed
+from distributed.world import init_distributed, nccl_environment
 from engine.failures import Phase
 from engine.guard import Site, _on_cpu, training_membership
 
@@ -96,6 +96,8 @@ def joining_membership(run_dir: str, hang_timeout_s: float, timeout_s: float) ->
             f"trainer.join=true: no {JoinFile.path(run_dir)}: the run to join writes it once it trains "
             f"(trainer.on_failure=continue); give its run dir with trainer.run_dir"
         ) from None
+    if where.backend == "nccl":  # (its groups survive failures as the members' do: joins are under continue only)
+        os.environ.update(nccl_environment(True))
     deadline = datetime.timedelta(seconds=hang_timeout_s)
     membership = Membership(-1, 0, hosts=[], timeout=deadline, backend=where.backend, prefix=where.prefix)
     membership.initial_size, membership.group = where.initial_size, None

@@ -6,6 +6,7 @@ one launch of three processes (``_workers.joined_and_resumed``)."""
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -140,6 +141,25 @@ def test_a_process_that_joins_a_run_that_has_ended_says_so_within_the_deadline(t
     with pytest.raises(RuntimeError, match=r"trainer.join=true: the run in .* is not reachable at localhost:\d+"):
         joining_membership(str(tmp_path), hang_timeout_s=1, timeout_s=1800)
     assert time.monotonic() - started < 600  # (the store's own timeout, 1800 s, would be the wait without it)
+
+
+def test_a_process_that_joins_a_run_on_nccl_sets_the_nccl_environment_the_members_have(tmp_path, monkeypatch):
+    """A joining process makes no default group (whose set-up gives the members theirs), yet its groups must
+    survive a failure as the members' do: the watchdog's mode that lets a survivor live, and no dump to wait for."""
+    from test_faults import free_port
+
+    from distributed.world import NCCL_DUMP_ON_TIMEOUT, NCCL_ERROR_HANDLING
+    from engine.joins import joining_membership
+
+    monkeypatch.setenv(NCCL_ERROR_HANDLING, "1")  # (torchrun's, as a worker it starts has)
+    monkeypatch.delenv(NCCL_DUMP_ON_TIMEOUT, raising=False)
+    port = free_port()
+    store = dist.TCPStore("localhost", port, is_master=True, timeout=datetime.timedelta(seconds=30))
+    JoinFile("localhost", port, "relaxsync/restart0/membership0", 2, "nccl").write(str(tmp_path))
+    membership = joining_membership(str(tmp_path), hang_timeout_s=5, timeout_s=30)
+    assert membership.backend == "nccl" and membership.group is None
+    assert os.environ[NCCL_ERROR_HANDLING] == "2" and os.environ[NCCL_DUMP_ON_TIMEOUT] == "0"
+    del membership, store
 
 
 def test_a_promise_goes_to_the_algorithms_next_agreement_when_it_is_near():
