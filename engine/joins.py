@@ -39,12 +39,16 @@ from functools import partial
 from typing import Any, Protocol
 
 import torch.distributed as dist
+from hydra.utils import instantiate
 
+from algorithms.base import SyncContext
 from distributed.membership import LeftRun, Membership, StoreLoop
 from distributed.transfer import recv_state, send_state
 from distributed.world import init_distributed, nccl_environment
 from engine.failures import Phase
 from engine.guard import Site, _on_cpu, training_membership
+from engine.optim import build_schedule
+from engine.state import LoopState
 
 POLL_S = 0.2  # how often a member looks for tickets
 MARGIN = 2  # steps a member may still train after it promised, before it waits for the admission step
@@ -274,10 +278,19 @@ class Host(Protocol):
     rank: int
     run_dir: str
 
+    cfg: dict[str, Any]
+    data: Any  # data.common.Data
+    batch_size: int
+    schedule: Any  # engine.optim's LR schedule
+    comm: Any  # distributed.comm.Communicator
+    raw_model: Any
+    optimizer: Any
+    device: Any
+    loop: Any  # engine.state.LoopState
+
     def settle(self) -> None: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_replica(self, state: dict[str, Any]) -> None: ...
-    def reshape(self, state: dict[str, Any], own: dict[str, Any] | None) -> None: ...
 
 
 class Joins:
@@ -330,7 +343,7 @@ class Joins:
                 if r in m.ranks:
                     send_state(state, r, m.group)
         send_s = lap()
-        host.reshape(state, own=host.sync.local_state_dict())
+        reshape(host, state, own=host.sync.local_state_dict())
         admissions.done(record)
         event = {"event": "rank_joined", "ranks": sorted(joiners), "hosts": joiners, "world_size": m.size}
         took = {"settle_s": settle_s, "group_s": group_s, "send_s": send_s, "reshape_s": lap()}
@@ -358,8 +371,26 @@ class Joins:
             m.admit(list(joiners), joiners)
         state = recv_state(_source(m, joiners), m.group)
         host.load_replica(state)
-        host.reshape(state, own=None)
+        reshape(host, state, own=None)
         self.admissions.done(record)
+
+
+def reshape(host: Host, state: dict[str, Any], own: dict[str, Any] | None) -> None:
+    """Go on as a run resumed from ``state`` (a checkpoint's content) at the membership's new size: the position at
+    that size, its LR, the sync algorithm built for it with the shared state and this rank's ``own`` (None: a new
+    rank's starts fresh), the rest of the epoch sharded over it."""
+    m = host.membership
+    host.run.resume(state, len(host.data.train), m.size, host.batch_size)
+    host.schedule = build_schedule(host.cfg, len(host.data.train), m.size)
+    host.sync = None  # (the old algorithm's hooks on the model, DDP's, go with it before the new one's)
+    host.sync = instantiate(host.cfg["sync"])
+    host.sync.setup(host.raw_model, host.optimizer, SyncContext(host.comm, m, host.device, replicas_agree=True))
+    host.sync.load_state_dict(state["sync"])
+    if own is not None:
+        host.sync.load_local_state_dict(own)
+    host.loaders.build(m.size, m.index)
+    host.loop = LoopState(epochs_this_run=host.loop.epochs_this_run, changes_applied=len(m.changes))
+    host.recorder.elect()
 
 
 def _source(membership: Membership, joiners: dict[int, str]) -> int:

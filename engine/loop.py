@@ -32,7 +32,7 @@ from engine.guard import Site, build_guard
 from engine.joins import Joins, worker_membership
 from engine.launchers import launcher_name
 from engine.metrics import NoLogger, Recorder, progress_bar, shown
-from engine.optim import build_replica, build_schedule
+from engine.optim import build_replica
 from engine.reports import carry_out
 from engine.state import LoopState, RunState
 from engine.stop import StopRequest
@@ -71,9 +71,9 @@ class Trainer:
             # The LR scale an eviction or a lost rank set (survivors / initial ranks) belonged to the shrunk world
             # it was set in; a resumed world has all its processes, at whatever size, and the LR its size gives.
             self.schedule.scale = 1.0
-        self.sync = instantiate(cfg["sync"])  # the one place the engine reads the sync section
+        self.sync = instantiate(cfg["sync"])  # (and again where a join reshapes the run: engine/joins.py)
         self.loop = LoopState()
-        if not self.joining:  # (a joining process sets up its algorithm and loaders once admitted: reshape)
+        if not self.joining:  # (a joining process sets up its algorithm and loaders once admitted: joins.reshape)
             self.sync.setup(self.raw_model, self.optimizer, SyncContext(self.comm, self.membership, self.device))
             if state is not None:
                 self.checkpointer.restore_sync(self.sync, state, self.device)
@@ -262,24 +262,6 @@ class Trainer:
     def apply(self, report: SyncReport, epoch: int, at_epoch_start: bool = False) -> None:
         """Carry out a hook's report (``engine/reports.py``), following the membership changes since the last."""
         carry_out(self, report, epoch, at_epoch_start)
-
-    # ---- joins (engine/joins.py) ------------------------------------------------------------------------------
-    def reshape(self, state: dict[str, Any], own: dict[str, Any] | None) -> None:
-        """Go on as a run resumed from ``state`` (a checkpoint's content) at the membership's new size: the position
-        at that size, its LR, the sync algorithm built for it with the shared state and this rank's ``own`` (None:
-        a new rank's starts fresh), the rest of the epoch sharded over it."""
-        m = self.membership
-        self.run.resume(state, len(self.data.train), m.size, self.batch_size)
-        self.schedule = build_schedule(self.cfg, len(self.data.train), m.size)
-        self.sync = None  # (the old algorithm's hooks on the model, DDP's, go with it before the new one's)
-        self.sync = instantiate(self.cfg["sync"])
-        self.sync.setup(self.raw_model, self.optimizer, SyncContext(self.comm, m, self.device, replicas_agree=True))
-        self.sync.load_state_dict(state["sync"])
-        if own is not None:
-            self.sync.load_local_state_dict(own)
-        self.loaders.build(m.size, m.index)
-        self.loop = LoopState(epochs_this_run=self.loop.epochs_this_run, changes_applied=len(m.changes))
-        self.recorder.elect()
 
     def settle(self) -> None:
         """Complete the exchanges in flight and bring the replicas into agreement (``drain()``, ``before_eval()``),

@@ -55,7 +55,7 @@ def node_environ(node: int) -> dict[str, str]:
     if count > node:
         return {"CUDA_VISIBLE_DEVICES": str(node)}
     if count == 0:
-        pytest.skip("no GPU in sight")
+        pytest.skip("make test-gpu with no GPU in sight: the nodes run on CPU in make test")
     return {"CUDA_VISIBLE_DEVICES": str(node % count), "NCCL_HOSTID": f"relaxsync-test-node{node}",
             "NCCL_SOCKET_IFNAME": "lo"}  # fmt: skip
 
