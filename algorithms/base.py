@@ -158,6 +158,10 @@ class SyncAlgorithm:
     #: True when replicas differ (gossip): evaluation then also reports the replicas' own accuracy, measured
     #: before ``before_eval()`` brings them into agreement.
     evaluates_replicas: bool = False
+    #: True when the shared state (:meth:`state_dict`) is first read after an optimizer step (DiLoCo's outer state, at
+    #: its outer step): a process that joins may load it once it has computed its first step's gradients, and so
+    #: need not wait for it before its first forward (engine/joins.py).
+    late_shared_state: bool = False
 
     @classmethod
     def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:

@@ -89,6 +89,7 @@ class DiLoCo(Replicas):
     """``sync=diloco``: inner steps of the configured optimizer, outer Nesterov SGD on averaged pseudo-gradients."""
 
     name = "diloco"
+    late_shared_state = True  # (the outer parameters and momentum: read at the outer step)
 
     def __init__(
         self,

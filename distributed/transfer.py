@@ -3,19 +3,23 @@ and a survivor healed from the front receive.
 
 ``dist.send_object_list`` pickles the state, tensors and all, into one byte tensor and the receiver unpickles it:
 two copies of every byte besides the wire (about 0.15 s for 40 MB on one core). Here the tensors travel as they
-are: each dtype's tensors are packed into one flat buffer sent with ``dist.send``, and only the rest (the
-structure, the shapes, the plain values) is pickled, a few kilobytes. A tensor that appears more than once in
+are: each dtype's tensors are packed into one flat buffer (a :class:`Parcel`) sent tensor by tensor, and only the
+rest (the structure, the shapes, the plain values) is pickled, a few kilobytes. A tensor that appears more than once in
 the state (the same object) is sent once and comes back as one object, as pickle would have it.
 
 On the receiving rank every tensor is on the CPU and contiguous, whatever it was on the sender; the caller's
-``load_state_dict`` copies it where it belongs. On NCCL the buffers travel on the current CUDA device (NCCL sends
-nothing else) and are brought back to the CPU on arrival.
+``load_state_dict`` copies it where it belongs. A parcel travels over a :class:`Wire`: a process group's
+point-to-point operations (:class:`GroupWire`; on NCCL the buffers travel on the current CUDA device and are brought
+back to the CPU on arrival), or a :class:`Pipe`, a gloo connection two processes hold on their own, which a thread
+can use while the main thread trains.
 """
 
 from __future__ import annotations
 
+import datetime
+import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -95,32 +99,100 @@ def _rebuild(value: Any, walk: Any) -> Any:
     return value
 
 
-def _device(group: Any) -> torch.device:
-    if dist.get_backend(group) == dist.Backend.NCCL:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+class Wire(Protocol):
+    """One end of a point-to-point link: tensors sent arrive in order, each into a tensor of its size."""
+
+    def send(self, tensor: torch.Tensor) -> None: ...
+    def recv(self, tensor: torch.Tensor) -> None: ...
+
+
+class GroupWire:
+    """To or from global rank ``peer`` of ``group`` (``dist.send`` and ``dist.recv``). On NCCL the tensors travel on
+    the current CUDA device (NCCL sends nothing else)."""
+
+    def __init__(self, peer: int, group: Any = None):
+        self.peer, self.group = peer, group
+        nccl = dist.get_backend(group) == dist.Backend.NCCL
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    def send(self, tensor: torch.Tensor) -> None:
+        dist.send(tensor.to(self.device), dst=self.peer, group=self.group)
+
+    def recv(self, tensor: torch.Tensor) -> None:
+        if tensor.device == self.device:
+            dist.recv(tensor, src=self.peer, group=self.group)
+            return
+        arrived = torch.empty_like(tensor, device=self.device)
+        dist.recv(arrived, src=self.peer, group=self.group)
+        tensor.copy_(arrived)
+
+
+class Pipe:
+    """A gloo connection of two processes' own, met through ``store`` (a prefix only they use), outside torch's
+    registry and every group the run trains on: a thread can send over it while the main thread goes on with its
+    collectives, on any backend (on NCCL, collectives issued from two threads in different orders would deadlock).
+    ``me`` and ``peer`` are the two processes' ids; either may create it first."""
+
+    def __init__(self, store: dist.Store, me: int, peer: int, timeout: datetime.timedelta):
+        index = int(me > peer)
+        self._gloo = dist.ProcessGroupGloo(store, index, 2, timeout)
+        self._peer = 1 - index
+
+    def send(self, tensor: torch.Tensor) -> None:
+        self._gloo.send([tensor.contiguous()], self._peer, 0).wait()
+
+    def recv(self, tensor: torch.Tensor) -> None:
+        self._gloo.recv([tensor], self._peer, 0).wait()
+
+
+@dataclass
+class Parcel:
+    """A state packed to be sent (:func:`pack`): its buffers are copies, so the sender may go on changing its
+    tensors (training) while the parcel travels, from another thread."""
+
+    skeleton: Any
+    buffers: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, state: Any) -> Parcel:
+        return cls(*pack(state))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def send(self, wire: Wire) -> None:
+        """The header (the skeleton and each buffer's dtype and size, pickled, after its length), then each
+        buffer."""
+        header = pickle.dumps({"skeleton": self.skeleton, "buffers": [(b.dtype, b.numel()) for b in self.buffers]})
+        wire.send(torch.tensor([len(header)], dtype=torch.int64))
+        wire.send(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        for buffer in self.buffers:
+            if buffer.numel():
+                wire.send(buffer)
+
+    @staticmethod
+    def receive(wire: Wire) -> Any:
+        """The state a :meth:`send` at the other end sent; its tensors on the CPU."""
+        length = torch.empty(1, dtype=torch.int64)
+        wire.recv(length)
+        header = torch.empty(int(length.item()), dtype=torch.uint8)
+        wire.recv(header)
+        head = pickle.loads(header.numpy().tobytes())
+        buffers = []
+        for dtype, numel in head["buffers"]:
+            buffer = torch.empty(numel, dtype=dtype)
+            if numel:
+                wire.recv(buffer)
+            buffers.append(buffer)
+        return unpack(head["skeleton"], buffers)
 
 
 def send_state(state: Any, dst: int, group: Any = None) -> None:
     """Send ``state`` to global rank ``dst`` of ``group`` (it calls :func:`recv_state`)."""
-    skeleton, buffers = pack(state)
-    header = {"skeleton": skeleton, "buffers": [(b.dtype, b.numel()) for b in buffers]}
-    device = _device(group)
-    dist.send_object_list([header], dst=dst, group=group, device=device)
-    for buffer in buffers:
-        if buffer.numel():
-            dist.send(buffer.to(device), dst=dst, group=group)
+    Parcel.of(state).send(GroupWire(dst, group))
 
 
 def recv_state(src: int, group: Any = None) -> Any:
     """The state global rank ``src`` of ``group`` sends with :func:`send_state`; its tensors on the CPU."""
-    box: list[Any] = [None]
-    device = _device(group)
-    dist.recv_object_list(box, src=src, group=group, device=device)
-    buffers = []
-    for dtype, numel in box[0]["buffers"]:
-        buffer = torch.empty(numel, dtype=dtype, device=device)
-        if numel:
-            dist.recv(buffer, src=src, group=group)
-        buffers.append(buffer.cpu())
-    return unpack(box[0]["skeleton"], buffers)
+    return Parcel.receive(GroupWire(src, group))

@@ -20,9 +20,17 @@ the default group can be in the next one, as torchft's replicas join at its next
    of them goes on as a run resumed from that checkpoint at the new world size would: the sync algorithm built
    for the new world from the shared state (each member keeping its own per-rank state, the new one starting
    fresh), the rest of the epoch sharded over the new world, the LR of its size.
+5. The state travels while everyone trains (:class:`Sending`, :class:`Receiving`): the lowest member packs it
+   (copies) and sends it from a thread, over a connection of the two processes' own, in two parts. The first,
+   the model and all the joining process needs before its first forward, it waits for; the rest, the optimizer's
+   state (and the sync algorithm's shared state where that is read only at a step: DiLoCo's outer state),
+   arrives while it computes its first step, and is loaded before that step's optimizer step. The members stand
+   still for the agreement, the new group and the rebuild alone; the joining process starts one first part's
+   transfer after them, not one whole state's.
 
 A join is a membership change like a loss: a member lost in the middle of one is survived as anywhere else
-(``engine/failures.py``), and the admission is redone by who is left.
+(``engine/failures.py``), and the admission is redone by who is left. A joining process whose sender is lost before
+it has the whole state leaves the run (it can ask again); the members survive both losses.
 """
 
 from __future__ import annotations
@@ -43,10 +51,10 @@ from hydra.utils import instantiate
 
 from algorithms.base import SyncContext
 from distributed.membership import LeftRun, Membership, StoreLoop
-from distributed.transfer import recv_state, send_state
+from distributed.transfer import Parcel, Pipe
 from distributed.world import init_distributed, nccl_environment
 from engine.failures import Phase
-from engine.guard import Site, _on_cpu, training_membership
+from engine.guard import Site, training_membership
 from engine.optim import build_schedule
 from engine.state import LoopState
 
@@ -278,6 +286,7 @@ class Host(Protocol):
     rank: int
     run_dir: str
 
+    awaiting: Callable[[], None] | None  # the rest of a joining process's state (Trainer.complete)
     cfg: dict[str, Any]
     data: Any  # data.common.Data
     batch_size: int
@@ -300,6 +309,7 @@ class Joins:
     def __init__(self, membership: Membership, hang_timeout_s: float, host: Host):
         self.admissions = Admissions(membership, hang_timeout_s, lambda steps: host.sync.agreement_at(steps))
         self.host = host
+        self.sending: list[Sending] = []  # states still on their way to processes admitted
 
     def start(self, step: int) -> None:
         self.admissions.start(step, self.host.run_dir)
@@ -331,7 +341,7 @@ class Joins:
             return clock[-1] - clock[-2]
 
         host.settle()
-        state = _on_cpu(host.state_dict())  # (before the admission: a checkpoint's content at this step)
+        state = host.state_dict()  # (before the admission: a checkpoint's content at this step)
         settle_s = lap()
         joiners = admissions.joiners(decision)
         record = admissions.announce(decision, joiners)
@@ -339,14 +349,14 @@ class Joins:
             m.admit(list(joiners), joiners)
         group_s = lap()
         if m.rank == _source(m, joiners):
-            for r in joiners:
-                if r in m.ranks:
-                    send_state(state, r, m.group)
-        send_s = lap()
+            parcels = [Parcel.of(part) for part in split(state, host.sync.late_shared_state)]  # (copies)
+            self.sending = [s for s in self.sending if s.alive()]
+            self.sending += [Sending(m, r, parcels).start() for r in joiners if r in m.ranks]
+        pack_s = lap()
         reshape(host, state, own=host.sync.local_state_dict())
         admissions.done(record)
         event = {"event": "rank_joined", "ranks": sorted(joiners), "hosts": joiners, "world_size": m.size}
-        took = {"settle_s": settle_s, "group_s": group_s, "send_s": send_s, "reshape_s": lap()}
+        took = {"settle_s": settle_s, "group_s": group_s, "pack_s": pack_s, "reshape_s": lap()}
         host.recorder.event({**event, "admission_s": clock[-1] - clock[0], **took}, epoch, host.run.step)
 
     def enter(self) -> None:
@@ -369,10 +379,121 @@ class Joins:
         if m.rank not in m.ranks:
             m.enter(record)
             m.admit(list(joiners), joiners)
-        state = recv_state(_source(m, joiners), m.group)
-        host.load_replica(state)
-        reshape(host, state, own=None)
+        receiving = Receiving(m, _source(m, joiners))
+        first = receiving.first()
+        host.load_replica(first)
+        reshape(host, first, own=None)
         self.admissions.done(record)
+        host.awaiting = partial(_complete, host, receiving.start())
+
+
+def split(state: dict[str, Any], late_shared_state: bool) -> list[dict[str, Any]]:
+    """A state for a process that joins, in the order it needs it: what it needs before its first forward (the
+    model, the position, AMP's state, the sync algorithm's shared state unless that is read only at a step), then
+    what it needs only at its first optimizer step (the optimizer's state, and a late shared state)."""
+    late = {"optimizer", "sync"} if late_shared_state else {"optimizer"}
+    return [{k: v for k, v in state.items() if k not in late}, {k: v for k, v in state.items() if k in late}]
+
+
+def _complete(host: Host, receiving: Receiving) -> None:
+    """On a joining process, at its first optimizer step (or before anything reads its state): the rest of it."""
+    rest = receiving.rest()
+    host.optimizer.load_state_dict(rest["optimizer"])
+    if "sync" in rest:
+        host.sync.load_state_dict(rest["sync"])
+    print(f"relaxsync: rank {host.rank} has its whole state: {receiving}", flush=True)
+
+
+def pipe_store(membership: Membership, source: int, joiner: int) -> dist.Store:
+    """Where the lowest member and a process it admits meet for the state (a connection to the store of its own:
+    the sender's thread never waits behind the main thread's store calls)."""
+    key = membership.key(f"join/pipe/{membership.generation}/{source}-{joiner}/")
+    return dist.PrefixStore(key, membership.store.clone())
+
+
+class Sending:
+    """The lowest member's side of a state's way to a process it admitted: the parcels (packed at the admission)
+    sent in order from a thread, over a :class:`Pipe` of the two, while this member trains. A failure is not this
+    member's to handle: the process it sent to is gone (the members find it lost as any other)."""
+
+    def __init__(self, membership: Membership, joiner: int, parcels: list[Parcel]):
+        self.joiner, self.parcels, self.error = joiner, parcels, None
+        self._store = pipe_store(membership, membership.rank, joiner)
+        self._args = (membership.rank, membership.timeout or datetime.timedelta(seconds=300))
+        self._thread = threading.Thread(target=self._send, name="relaxsync-join-send", daemon=True)
+
+    def start(self) -> Sending:
+        self._thread.start()
+        return self
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _send(self) -> None:
+        try:
+            pipe = Pipe(self._store, self._args[0], self.joiner, self._args[1])
+            for parcel in self.parcels:
+                parcel.send(pipe)
+        except Exception as error:
+            self.error = error
+            print(f"relaxsync: rank {self._args[0]} could not send rank {self.joiner} its state: {error}", flush=True)
+
+
+class Receiving:
+    """A joining process's side: the first part of the state, waited for; the rest, received by a thread while
+    this process computes its first step (:meth:`start`, :meth:`rest`). The sender lost before the whole state
+    arrived makes this process leave the run (``LeftRun``): nobody else has this point's state to give."""
+
+    def __init__(self, membership: Membership, source: int):
+        self.membership, self.source = membership, source
+        self._timeout = membership.timeout or datetime.timedelta(seconds=300)
+        self._pipe: Pipe | None = None
+        self._rest: dict[str, Any] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._receive_rest, name="relaxsync-join-receive", daemon=True)
+        self._clock = {"asked": time.perf_counter()}
+
+    def first(self) -> dict[str, Any]:
+        m = self.membership
+        try:
+            self._pipe = Pipe(pipe_store(m, self.source, m.rank), m.rank, self.source, self._timeout)
+            first = Parcel.receive(self._pipe)
+        except Exception as error:
+            raise self._lost(error) from error
+        self._clock["first"] = time.perf_counter()
+        return first
+
+    def start(self) -> Receiving:
+        self._thread.start()
+        return self
+
+    def rest(self) -> dict[str, Any]:
+        self._clock["needed"] = time.perf_counter()
+        self._thread.join()
+        self._clock["loaded"] = time.perf_counter()
+        if self._error is not None:
+            raise self._lost(self._error) from self._error
+        assert self._rest is not None
+        return self._rest
+
+    def _receive_rest(self) -> None:
+        try:
+            self._rest = Parcel.receive(self._pipe)
+        except Exception as error:
+            self._error = error
+        self._clock["rest"] = time.perf_counter()
+
+    def _lost(self, error: BaseException) -> LeftRun:
+        reason = f"lost rank {self.source} before it had sent the whole state ({type(error).__name__}: {error})"
+        print(f"relaxsync: rank {self.membership.rank} {reason}; exiting (start it again to ask again)", flush=True)
+        return LeftRun(self.membership.rank, reason)
+
+    def __str__(self) -> str:
+        c = self._clock
+        return (
+            f"the first part in {c['first'] - c['asked']:.2f} s, the rest {c['rest'] - c['first']:.2f} s later, "
+            f"{c['loaded'] - c['needed']:.2f} s waited for it"
+        )
 
 
 def reshape(host: Host, state: dict[str, Any], own: dict[str, Any] | None) -> None:
@@ -385,7 +506,8 @@ def reshape(host: Host, state: dict[str, Any], own: dict[str, Any] | None) -> No
     host.sync = None  # (the old algorithm's hooks on the model, DDP's, go with it before the new one's)
     host.sync = instantiate(host.cfg["sync"])
     host.sync.setup(host.raw_model, host.optimizer, SyncContext(host.comm, m, host.device, replicas_agree=True))
-    host.sync.load_state_dict(state["sync"])
+    if "sync" in state:  # (a joining process may take a late shared state later: split)
+        host.sync.load_state_dict(state["sync"])
     if own is not None:
         host.sync.load_local_state_dict(own)
     host.loaders.build(m.size, m.index)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -73,6 +74,7 @@ class Trainer:
             self.schedule.scale = 1.0
         self.sync = instantiate(cfg["sync"])  # (and again where a join reshapes the run: engine/joins.py)
         self.loop = LoopState()
+        self.awaiting: Callable[[], None] | None = None  # the part of its state a joining process still receives
         if not self.joining:  # (a joining process sets up its algorithm and loaders once admitted: joins.reshape)
             self.sync.setup(self.raw_model, self.optimizer, SyncContext(self.comm, self.membership, self.device))
             if state is not None:
@@ -99,6 +101,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The replica, the sync algorithm's shared state and the position in the run (a checkpoint's content, the
         config aside); under ``loop``, what the loop of this invocation carries (never checkpointed)."""
+        self.complete()
         return {
             "model": self.raw_model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -112,16 +115,26 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Become the replica of a peer's :meth:`state_dict` (this rank's own algorithm state stays its own)."""
+        self.complete()  # (what arrives later must not overwrite it)
         self.load_replica(state)
         self.run.load_state_dict(state)
         self.sync.load_state_dict(state["sync"])
         self.loop.load_state_dict(state["loop"])
 
     def load_replica(self, state: dict[str, Any]) -> None:
-        """Take the model, optimizer and AMP state of ``state`` (a checkpoint's or a peer's)."""
+        """Take the model, optimizer and AMP state of ``state`` (a checkpoint's or a peer's; a process that joins
+        takes the optimizer's later, :meth:`complete`)."""
         self.raw_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.amp.load_state_dict(state["amp"])
+
+    def complete(self) -> None:
+        """On a process that joined, before it first steps, settles or hands its state on: the rest of its state,
+        which arrived while it computed (``engine/joins.py``); nothing anywhere else."""
+        awaiting, self.awaiting = self.awaiting, None
+        if awaiting is not None:
+            awaiting()
 
     def done(self) -> bool:
         """Whether the run has reached its end (``trainer.epochs``, ``trainer.max_steps`` or ``target_top1``)."""
@@ -255,6 +268,7 @@ class Trainer:
         backward_end = time.perf_counter()
         report = self.sync.after_backward(self.step, self.amp.unscale(self.optimizer))
         compute_s = (report.compute_end or backward_end) - start
+        self.complete()  # (before the LR is set: the optimizer's state a joining process loads has the sender's)
         lr = self.schedule.apply(self.optimizer, self.run.epoch + self.run.step_in_epoch / self.loaders.steps_per_epoch)
         stepped = self.amp.step(self.optimizer, report.grads_finite)
         return report, StepResult(self.step, epoch, loss.item(), lr, stepped, data_s, compute_s), slept
@@ -266,6 +280,7 @@ class Trainer:
     def settle(self) -> None:
         """Complete the exchanges in flight and bring the replicas into agreement (``drain()``, ``before_eval()``),
         once per step: a checkpoint right after an evaluation reuses its agreement."""
+        self.complete()
         if self.loop.agreed_at_step != self.step:
             self.sync.drain()
             self.sync.before_eval()

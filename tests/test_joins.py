@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from _contract import JOIN_CASES, JOIN_IDS, JOIN_LAST_STEP, run_joins
 from conftest import FAST, ROOT, node_environ, records
@@ -174,3 +175,52 @@ def test_a_promise_goes_to_the_algorithms_next_agreement_when_it_is_near():
     assert promises == [12, 12, 16, 16] and all(p % 4 == 0 for p in promises)
     far = Admissions(None, 1.0, lambda n: n + ALIGN + 1)
     assert far.promise(10) == 10 + MARGIN
+
+
+def test_the_state_comes_in_the_order_a_joining_process_needs_it():
+    """The model and everything read before the first forward come first; the optimizer's state (and a shared
+    state read only at a step, DiLoCo's) second, loaded at the first optimizer step."""
+    from engine.joins import split
+
+    state = {"model": 1, "optimizer": 2, "amp": 3, "schedule": 4, "sync": 5, "step": 6, "loop": 7}
+    first, rest = split(state, late_shared_state=False)
+    assert set(first) == {"model", "amp", "schedule", "sync", "step", "loop"} and set(rest) == {"optimizer"}
+    first, rest = split(state, late_shared_state=True)
+    assert "sync" not in first and set(rest) == {"optimizer", "sync"}
+    assert {**first, **rest} == state
+
+
+def _sender_lost_midway(rank: int, port: int, out: str) -> None:
+    """Rank 0 sends a joining rank 1 the first part of a state over their pipe, then dies; rank 1 records what
+    it got and how it left."""
+    from distributed.membership import LeftRun, Membership
+    from distributed.transfer import Parcel, Pipe
+    from engine.joins import Receiving, pipe_store
+
+    timeout = datetime.timedelta(seconds=30)
+    membership = Membership(rank, 2, timeout=timeout, backend="gloo", prefix="test")
+    membership._store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    if rank == 0:
+        pipe = Pipe(pipe_store(membership, 0, 1), 0, 1, timeout)
+        Parcel.of({"model": {"w": torch.arange(6.0)}}).send(pipe)
+        os._exit(0)  # (as killed: the second part never comes)
+    receiving = Receiving(membership, source=0)
+    first = receiving.first()
+    receiving.start()
+    try:
+        receiving.rest()
+        left = None
+    except LeftRun as error:
+        left = str(error)
+    torch.save({"first": first, "left": left}, out)
+
+
+def test_a_joining_process_whose_sender_is_lost_before_the_rest_of_the_state_leaves_the_run(tmp_path):
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+    out = str(tmp_path / "joiner.pt")
+    mp.start_processes(_sender_lost_midway, args=(store.port, out), nprocs=2, start_method="spawn", join=True)
+    got = torch.load(out, weights_only=False)
+    assert torch.equal(got["first"]["model"]["w"], torch.arange(6.0))
+    assert got["left"] is not None and got["left"].startswith("rank 1 lost rank 0 before it had sent the whole state")

@@ -4,14 +4,16 @@ that was sent, bit for bit, shape for shape, and a tensor the state holds twice 
 from __future__ import annotations
 
 import collections
+import datetime
 import os
 import tempfile
+import threading
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distributed.transfer import Slot, pack, unpack
+from distributed.transfer import Parcel, Pipe, Slot, pack, unpack
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -93,3 +95,54 @@ def test_a_state_sent_over_gloo_arrives_as_it_was_sent():
         got = torch.load(out, weights_only=False)
     assert_same(got, a_state())
     assert got["tied"] is got["model"]["w"]
+
+
+def test_a_parcel_is_a_copy_the_sender_may_change_its_tensors_after_packing():
+    state = a_state()
+    parcel = Parcel.of(state)
+    want = a_state()
+    state["model"]["w"].add_(1.0)  # (training goes on while the parcel travels)
+    state["model"]["b"].zero_()
+    assert_same(unpack(parcel.skeleton, parcel.buffers), want)
+
+
+def _pipe_beside_collectives(rank: int, init: str, out: str) -> None:
+    """Each process sends or receives a state over a Pipe in a thread while its main thread runs all-reduces on the
+    default group; rank 1 saves what it received and the all-reduces' results."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        store = dist.PrefixStore("pipe/", dist.distributed_c10d._get_default_store())
+        got: dict = {}
+
+        def move() -> None:
+            pipe = Pipe(store, rank, 1 - rank, datetime.timedelta(seconds=60))
+            if rank == 0:
+                for _ in range(3):
+                    Parcel.of(a_state()).send(pipe)
+            else:
+                got["states"] = [Parcel.receive(pipe) for _ in range(3)]
+
+        thread = threading.Thread(target=move)
+        thread.start()
+        sums = []
+        for i in range(50):
+            t = torch.full((1000,), float(rank + i))
+            dist.all_reduce(t)
+            sums.append(t[0].item())
+        thread.join()
+        if rank == 1:
+            torch.save({"sums": sums, **got}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_pipe_carries_states_from_a_thread_while_the_main_thread_runs_collectives():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "received.pt")
+        mp.start_processes(_pipe_beside_collectives, args=(f"file://{tmp}/store", out), nprocs=2, start_method="spawn")
+        got = torch.load(out, weights_only=False)
+    assert got["sums"] == [float(2 * i + 1) for i in range(50)]
+    assert len(got["states"]) == 3
+    for state in got["states"]:
+        assert_same(state, a_state())
