@@ -38,6 +38,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import random
 import socket
 import threading
 import time
@@ -46,6 +47,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
+import numpy as np
+import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 
@@ -295,6 +298,8 @@ class Host(Protocol):
     raw_model: Any
     optimizer: Any
     device: Any
+    amp: Any  # engine.amp's backend
+    criterion: Any
     loop: Any  # engine.state.LoopState
 
     def settle(self) -> None: ...
@@ -363,6 +368,7 @@ class Joins:
         """On a joining process: take a ticket, wait to be admitted, take the state from the lowest member and go on
         as the members do. Leaves the run (``LeftRun``) if it ends first."""
         host = self.host
+        warm_up(host)
         request = Request(host.membership)
         host.rank = host.membership.rank = host.checkpointer.rank = request.ask()
         host.guard.start()  # beating from now: once admitted, the members watch this process like any other
@@ -385,6 +391,27 @@ class Joins:
         reshape(host, first, own=None)
         self.admissions.done(record)
         host.awaiting = partial(_complete, host, receiving.start())
+
+
+def warm_up(host: Host) -> None:
+    """On a process about to ask to join: one forward and backward pass on a batch shaped like the training data,
+    thrown away. Its first step once admitted then runs at the members' pace, not at a new process's (kernels
+    chosen, memory allocated), which the members would wait for at their next exchange. What it changes is replaced
+    at the admission (the model, its gradients) or restored here (every random generator it may draw from)."""
+    devices = [host.device] if host.device.type == "cuda" else []
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=devices):
+        x = host.data.train[0][0]
+        batch = x.unsqueeze(0).expand(host.batch_size, *x.shape).contiguous().to(host.device)
+        if host.cfg["model"].get("channels_last"):
+            batch = batch.contiguous(memory_format=torch.channels_last)
+        target = torch.zeros(host.batch_size, dtype=torch.long, device=host.device)
+        with host.amp.autocast():
+            loss = host.criterion(host.raw_model(batch), target)
+        loss.backward()
+    random.setstate(python)
+    np.random.set_state(numpy)
+    host.optimizer.zero_grad(set_to_none=True)
 
 
 def split(state: dict[str, Any], late_shared_state: bool) -> list[dict[str, Any]]:
