@@ -259,7 +259,7 @@ def join(net: EmulatedNetwork, args: argparse.Namespace, workdir: Path, port: in
             "paused_s": after[0]["time"] - before[-1]["time"],  # no step completed in between
             "median_step_s": step_s[len(step_s) // 2],
             "admission_s": joined["admission_s"],  # the members' time in the admission itself, and its parts
-            "admission": {k: joined.get(k) for k in ("settle_s", "group_s", "send_s", "reshape_s")},
+            "admission": {k: joined.get(k) for k in ("settle_s", "group_s", "pack_s", "reshape_s")},
             "joined_at_step": joined["step"],
             "lost_steps": len(steps) - len(set(steps)),
             "steps_in_order": steps == list(range(len(steps))),

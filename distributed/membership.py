@@ -208,6 +208,8 @@ class Membership:
         self.alarm = Alarm()  # rung when another rank saw a peer lost (distributed/alarm.py)
         self._aborted: set[int] = set()  # ids of the groups aborted so far (each is aborted once)
         self._aborting = threading.Lock()
+        self._ahead: dict[tuple[int, tuple[int, ...]], Ahead] = {}  # groups formed ahead of a removal (prepare)
+        self._ahead_lock = threading.Lock()
 
     @property
     def size(self) -> int:
@@ -287,9 +289,48 @@ class Membership:
         if abort_replaced:
             for group in replaced:
                 self._abort(group)
-        self.group = self.form(survivors)
-        retire(replaced)
+        ahead = self._take_ahead(self.generation - 1, survivors) if agreed.get("ahead") else None
+        self.group = ahead.take() if ahead is not None else self.form(survivors)
+        retire(replaced + self._drop_ahead())
         return self.changes[-1]
+
+    # ---- groups formed ahead of a removal ---------------------------------------------------------------------
+    def prepare(self, survivors: list[int], generation: int) -> None:
+        """From any thread: form, in a thread of its own, the group that ``survivors`` would have after a removal of
+        the other active ranks at ``generation``, the current one (once per set). Every survivor that saw the same
+        ranks silent prepares the same group; a removal agreed with ``"ahead": true`` (:meth:`ready`, on the rank
+        that proposed it) then takes it instead of forming one while the survivors stand still. Gloo only: NCCL
+        forms its communicator at the group's first collective, on the streams the training uses."""
+        if self.backend != "gloo" or self.rank not in survivors or generation != self.generation:
+            return
+        key = (generation, tuple(survivors))
+        with self._ahead_lock:
+            if key in self._ahead:
+                return
+            members = "-".join(map(str, survivors)) if len(survivors) <= 16 else f"{survivors[0]}..x{len(survivors)}"
+            store = dist.PrefixStore(self.key(f"ahead/{key[0]}/{members}/"), self.store.clone())
+            self._ahead[key] = Ahead(store, survivors, self.rank, self.timeout or DEFAULT_TIMEOUT)
+
+    def ready(self, survivors: list[int]) -> bool:
+        """Whether the group :meth:`prepare` forms for ``survivors`` at this generation is formed on this rank (and so
+        on every one of them: its forming ends with a collective over all of them)."""
+        with self._ahead_lock:
+            ahead = self._ahead.get((self.generation, tuple(survivors)))
+        return ahead is not None and ahead.formed()
+
+    def _take_ahead(self, generation: int, survivors: list[int]) -> Ahead:
+        with self._ahead_lock:
+            ahead = self._ahead.pop((generation, tuple(survivors)), None)
+        if ahead is None:  # (the rank that proposed it formed it with this one: it must be here)
+            raise RuntimeError(f"rank {self.rank} has no group of {survivors} formed ahead at generation {generation}")
+        return ahead
+
+    def _drop_ahead(self) -> list[Any]:
+        """After a change: the groups formed ahead of another one, to retire (those still forming are left to their
+        threads, which end at the group's timeout: their other members went elsewhere)."""
+        with self._ahead_lock:
+            dropped, self._ahead = list(self._ahead.values()), {}
+        return [ahead.group for ahead in dropped if ahead.formed()]
 
     def _abort(self, group: Any) -> None:
         with self._aborting:
@@ -364,7 +405,7 @@ class Membership:
         replaced = [g for g in (self.group, *self._subgroups) if g is not None and g is not dist.group.WORLD]
         self.group, self._subgroups = None, []
         self.group = self.form(self.ranks)
-        retire(replaced)
+        retire(replaced + self._drop_ahead())
         return self.changes[-1]
 
     def enter(self, record: dict[str, Any]) -> None:
@@ -391,6 +432,34 @@ class Membership:
 
     def __repr__(self) -> str:
         return f"Membership(rank={self.rank}, ranks={self.ranks}, initial_size={self.initial_size})"
+
+
+class Ahead:
+    """A group formed in a thread of its own (:meth:`Membership.prepare`)."""
+
+    def __init__(self, store: dist.Store, ranks: list[int], rank: int, timeout: datetime.timedelta):
+        self.group: Any = None
+        self.error: BaseException | None = None
+        self._args = (store, ranks, rank, timeout)
+        self._thread = threading.Thread(target=self._form, name="relaxsync-group-ahead", daemon=True)
+        self._thread.start()
+
+    def _form(self) -> None:
+        store, ranks, rank, timeout = self._args
+        try:
+            self.group = build_group(store, ranks, rank, "gloo", timeout)
+        except Exception as error:  # (its members went elsewhere: never taken)
+            self.error = error
+
+    def formed(self) -> bool:
+        return not self._thread.is_alive() and self.group is not None
+
+    def take(self) -> Any:
+        """The group, once formed (every member formed it with the one that proposed taking it: moments away)."""
+        self._thread.join()
+        if self.group is None:
+            raise RuntimeError(f"the group formed ahead did not form: {self.error}")
+        return self.group
 
 
 class StoreLoop:

@@ -194,8 +194,11 @@ class Heartbeat:
         self._loop = self.membership.every(BEAT_S, beat, "relaxsync-heartbeat").start()
 
     def _watch(self, store: Any) -> None:
+        """Read the next peers' beats. Peers silent for :data:`SILENT_S` are most likely gone: the group the others
+        would form without them is formed now, in the background, for the recovery to take when a collective fails
+        (up to ``WATCHED + 1`` ranks, where every tick reads every peer)."""
         m = self.membership
-        ranks = m.ranks  # (a change replaces the list, never edits it)
+        generation, ranks = m.generation, m.ranks  # (a change replaces the list, never edits it)
         peers, i = [], self._next
         while len(peers) < min(WATCHED, len(ranks) - 1):
             if ranks[i % len(ranks)] != m.rank:
@@ -213,6 +216,10 @@ class Heartbeat:
             beats = int(value)
             if self._seen.get(r, (None, 0.0))[0] != beats:
                 self._seen[r] = (beats, now)
+        silent = [r for r in peers if now - self._seen[r][1] >= SILENT_S]
+        survivors = [r for r in ranks if r not in silent]
+        if silent and len(survivors) > 1 and len(ranks) <= WATCHED + 1:  # (every peer read every tick: the
+            m.prepare(survivors, generation)  # survivors see the same ones silent)
 
     def _listen(self, store: Any) -> None:
         """Ring the membership's alarm once another rank has checked in to a failure of the current generation:
@@ -289,6 +296,7 @@ class Failures:
                 "cause": "died" if "died" in seen else "hung",
                 "step": at.step,
                 "time": time.time(),
+                "ahead": m.ready([r for r in m.ranks if r not in gone]),  # (the survivors' group is formed already)
             }
             agreed = m.propose(f"failure{generation}/decision", proposal)
         if not agreed["ranks"]:
@@ -306,6 +314,7 @@ class Failures:
             "cause": agreed["cause"],
             "failed_step": agreed["step"],
             "failed_at": agreed["time"],  # wall clock when the first survivor proposed the removal
+            "formed_ahead": bool(agreed.get("ahead")),  # the survivors' group was formed before the failure
             "world_size": len(change.ranks),
             "redo": front[1],
         }

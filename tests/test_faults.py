@@ -795,3 +795,54 @@ def test_under_continue_nccl_is_kept_from_ending_the_survivors():
     assert nccl_environment(True, {NCCL_ERROR_HANDLING: "0"}) == no_dump
     assert nccl_environment(True, {NCCL_ERROR_HANDLING: "2", NCCL_DUMP_ON_TIMEOUT: "1"}) == {}  # the user's choice
     assert nccl_environment(False, {NCCL_ERROR_HANDLING: "1"}) == {}  # under abort, torchrun's choice stands
+
+
+def _survivors_form_ahead(rank: int, port: int, out: str) -> None:
+    """Three members of one group; rank 2 beats, then dies. Ranks 0 and 1 wait until their heartbeats have formed
+    the group without it, adopt its removal as a recovery would propose it, and record what they got."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from distributed.membership import Membership
+    from engine.failures import Heartbeat
+
+    timeout = datetime.timedelta(seconds=30)
+    m = Membership(rank, 3, timeout=timeout, backend="gloo", prefix="ahead-test")
+    m._store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    m.group = m.form([0, 1, 2])
+    heartbeat = Heartbeat(m)
+    heartbeat.start()
+    if rank == 2:
+        time.sleep(0.5)
+        os._exit(0)  # (as killed)
+    deadline = time.monotonic() + 20
+    while not m.ready([0, 1]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ready, formed = m.ready([0, 1]), dict(m._formed)
+    ahead = m._ahead[(0, (0, 1))].group if ready else None
+    change = m.adopt({"ranks": [2], "cause": "died", "ahead": ready}, abort_replaced=True)
+    t = torch.ones(3) * (rank + 1)
+    dist.all_reduce(t, group=m.group)
+    heartbeat.stop()
+    result = {"ready": ready, "taken": m.group is ahead, "formed_after": dict(m._formed) != formed}
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({**result, "ranks": change.ranks, "sum": t.tolist()}, f)
+
+
+def test_survivors_form_their_group_while_a_silent_peer_is_still_in_the_run_and_a_recovery_takes_it(tmp_path):
+    """A peer silent for SILENT_S is most likely gone: each survivor's heartbeat forms, in the background, the group
+    the others would have without it, and a removal agreed with ``ahead`` takes that group instead of forming one
+    while the survivors stand still (one collective on it: it works for both)."""
+    import datetime
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+    out = str(tmp_path / "rank")
+    mp.start_processes(_survivors_form_ahead, args=(store.port, out), nprocs=3, start_method="spawn")
+    for rank in (0, 1):
+        got = json.loads(Path(f"{out}.{rank}").read_text())
+        assert got["ready"] and got["taken"] and not got["formed_after"], got
+        assert got["ranks"] == [0, 1] and got["sum"] == [3.0, 3.0, 3.0]
