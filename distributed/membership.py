@@ -27,6 +27,7 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ from distributed.connections import Connections, noted
 _instances = itertools.count()  # Memberships made in this process: every rank makes them in the same order
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for a group or a store without one
 _groups = itertools.count()  # groups this process built: each needs a name of its own in torch's registry
+AHEAD_POLL_S = 0.02  # how often a group formed ahead looks whether all its members prepare it
 _connections: dict[int, Connections] = {}  # id of a gloo group built here -> its TCP connections (retire cuts them)
 
 
@@ -210,6 +212,7 @@ class Membership:
         self._aborting = threading.Lock()
         self._ahead: dict[tuple[int, tuple[int, ...]], Ahead] = {}  # groups formed ahead of a removal (prepare)
         self._ahead_lock = threading.Lock()
+        self._dropped: list[Ahead] = []  # groups formed ahead and not taken, still forming at the last change
 
     @property
     def size(self) -> int:
@@ -295,27 +298,28 @@ class Membership:
         return self.changes[-1]
 
     # ---- groups formed ahead of a removal ---------------------------------------------------------------------
-    def prepare(self, survivors: list[int], generation: int) -> None:
-        """From any thread: form, in a thread of its own, the group that ``survivors`` would have after a removal of
-        the other active ranks at ``generation``, the current one (once per set). Every survivor that saw the same
-        ranks silent prepares the same group; a removal agreed with ``"ahead": true`` (:meth:`ready`, on the rank
-        that proposed it) then takes it instead of forming one while the survivors stand still. Gloo only: NCCL
-        forms its communicator at the group's first collective, on the streams the training uses."""
-        if self.backend != "gloo" or self.rank not in survivors or generation != self.generation:
+    def prepare(self, ranks: list[int], generation: int) -> None:
+        """From any thread: form, in a thread of its own, the group that ``ranks`` would have after the next change
+        from ``generation`` (once per set): the survivors of a removal (each survivor whose heartbeat saw the same
+        peers silent prepares it), or the members and the processes of an agreed admission. A change agreed with
+        ``"ahead": true`` (:meth:`ready`, on the rank that proposed it) then takes it instead of forming one while
+        everyone stands still. Gloo only: NCCL forms its communicator at the group's first collective, on the
+        streams the training uses."""
+        if self.backend != "gloo" or self.rank not in ranks:
             return
-        key = (generation, tuple(survivors))
+        key = (generation, tuple(ranks))
         with self._ahead_lock:
             if key in self._ahead:
                 return
-            members = "-".join(map(str, survivors)) if len(survivors) <= 16 else f"{survivors[0]}..x{len(survivors)}"
+            members = "-".join(map(str, ranks)) if len(ranks) <= 16 else f"{ranks[0]}..x{len(ranks)}"
             store = dist.PrefixStore(self.key(f"ahead/{key[0]}/{members}/"), self.store.clone())
-            self._ahead[key] = Ahead(store, survivors, self.rank, self.timeout or DEFAULT_TIMEOUT)
+            self._ahead[key] = Ahead(store, list(ranks), self.rank, self.timeout or DEFAULT_TIMEOUT)
 
-    def ready(self, survivors: list[int]) -> bool:
-        """Whether the group :meth:`prepare` forms for ``survivors`` at this generation is formed on this rank (and so
-        on every one of them: its forming ends with a collective over all of them)."""
+    def ready(self, ranks: list[int], generation: int | None = None) -> bool:
+        """Whether the group :meth:`prepare` forms for ``ranks`` from ``generation`` (default: this one) is formed on
+        this rank, and so on every one of them: its forming ends with a collective over all of them."""
         with self._ahead_lock:
-            ahead = self._ahead.get((self.generation, tuple(survivors)))
+            ahead = self._ahead.get((self.generation if generation is None else generation, tuple(ranks)))
         return ahead is not None and ahead.formed()
 
     def _take_ahead(self, generation: int, survivors: list[int]) -> Ahead:
@@ -326,11 +330,18 @@ class Membership:
         return ahead
 
     def _drop_ahead(self) -> list[Any]:
-        """After a change: the groups formed ahead of another one, to retire (those still forming are left to their
-        threads, which end at the group's timeout: their other members went elsewhere)."""
+        """After a change: the groups formed ahead of another one, to retire, now or, those still forming, at a
+        later change."""
         with self._ahead_lock:
-            dropped, self._ahead = list(self._ahead.values()), {}
+            dropped, self._ahead = [*self._dropped, *self._ahead.values()], {}
+            for ahead in dropped:
+                ahead.cancel()
+            self._dropped = [ahead for ahead in dropped if ahead.alive()]
         return [ahead.group for ahead in dropped if ahead.formed()]
+
+    def cancel_ahead(self) -> None:
+        """At the end of the process: call off every group being formed ahead."""
+        self._drop_ahead()
 
     def _abort(self, group: Any) -> None:
         with self._aborting:
@@ -392,10 +403,11 @@ class Membership:
         store = dist.PrefixStore(self.key(f"group/{self.generation}/{members}/{n}/"), self.store)
         return build_group(store, ranks, self.rank, self.backend, self.timeout or DEFAULT_TIMEOUT, self.wait)
 
-    def admit(self, added: list[int], hosts: dict[int, str]) -> Change:
+    def admit(self, added: list[int], hosts: dict[int, str], ahead: bool = False) -> Change:
         """Carry out an agreed admission of the ranks ``added`` (processes that asked to join, each with its host):
-        a collective over the active ranks and the admitted ones (which :meth:`enter` first). Their group replaces
-        the active one; nobody leaves, nothing is aborted."""
+        a collective over the active ranks and the admitted ones (which :meth:`enter` first). Their group (formed
+        ahead, :meth:`prepare`, where the admission says so) replaces the active one; nobody leaves, nothing is
+        aborted."""
         self.generation += 1
         self.ranks = sorted(set(self.ranks) | set(added))
         for r in added:
@@ -404,7 +416,7 @@ class Membership:
         self.changes.append(Change(self.generation, [], list(self.ranks), "joined", sorted(added)))
         replaced = [g for g in (self.group, *self._subgroups) if g is not None and g is not dist.group.WORLD]
         self.group, self._subgroups = None, []
-        self.group = self.form(self.ranks)
+        self.group = self._take_ahead(self.generation - 1, self.ranks).take() if ahead else self.form(self.ranks)
         retire(replaced + self._drop_ahead())
         return self.changes[-1]
 
@@ -435,24 +447,41 @@ class Membership:
 
 
 class Ahead:
-    """A group formed in a thread of its own (:meth:`Membership.prepare`)."""
+    """A group formed in a thread of its own (:meth:`Membership.prepare`). The thread starts forming it only once
+    every member has said it prepares it too (before that it can be called off, :meth:`cancel`, and a prepared group
+    some members never prepare, because a change came first, is called off at the next change): gloo's forming
+    waits in C++ until every member is there, where nothing can end it but the group's timeout. The thread is not a
+    daemon, so that the interpreter never ends while it is in there (that aborts the process)."""
 
     def __init__(self, store: dist.Store, ranks: list[int], rank: int, timeout: datetime.timedelta):
         self.group: Any = None
         self.error: BaseException | None = None
         self._args = (store, ranks, rank, timeout)
-        self._thread = threading.Thread(target=self._form, name="relaxsync-group-ahead", daemon=True)
+        self._cancelled = threading.Event()
+        self._thread = threading.Thread(target=self._form, name="relaxsync-group-ahead")
         self._thread.start()
 
     def _form(self) -> None:
         store, ranks, rank, timeout = self._args
         try:
+            store.set(f"preparing/{rank}", "1")
+            everyone, deadline = [f"preparing/{r}" for r in ranks], time.monotonic() + timeout.total_seconds()
+            while not store.check(everyone):
+                if self._cancelled.wait(AHEAD_POLL_S) or time.monotonic() > deadline:
+                    return
             self.group = build_group(store, ranks, rank, "gloo", timeout)
         except Exception as error:  # (its members went elsewhere: never taken)
             self.error = error
 
+    def cancel(self) -> None:
+        """Call it off if its forming has not begun (a change came first, or the process ends)."""
+        self._cancelled.set()
+
     def formed(self) -> bool:
         return not self._thread.is_alive() and self.group is not None
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def take(self) -> Any:
         """The group, once formed (every member formed it with the one that proposed taking it: moments away)."""

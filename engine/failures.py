@@ -218,8 +218,9 @@ class Heartbeat:
                 self._seen[r] = (beats, now)
         silent = [r for r in peers if now - self._seen[r][1] >= SILENT_S]
         survivors = [r for r in ranks if r not in silent]
-        if silent and len(survivors) > 1 and len(ranks) <= WATCHED + 1:  # (every peer read every tick: the
-            m.prepare(survivors, generation)  # survivors see the same ones silent)
+        unchanged = generation == m.generation and ranks is m.ranks  # (read while no change was under way)
+        if silent and len(survivors) > 1 and len(ranks) <= WATCHED + 1 and unchanged:
+            m.prepare(survivors, generation)  # (every peer read every tick: the survivors see the same ones silent)
 
     def _listen(self, store: Any) -> None:
         """Ring the membership's alarm once another rank has checked in to a failure of the current generation:

@@ -215,11 +215,22 @@ class Admissions:
             at = max(int(value) for value in m.store.multi_get(keys))
             tickets = int(m.store.add(self.key("tickets"), 0))
             self.decision = m.propose(f"join/{round_}/decision", {"at": at, "tickets": tickets})
+            self._prepare(self.decision)
         if step < self.decision["at"]:
             return None
         if step > self.decision["at"]:
             raise RuntimeError(f"rank {m.rank} is at step {step}, past the agreed admission step {self.decision['at']}")
         return self.decision
+
+    def _prepare(self, decision: dict[str, Any]) -> None:
+        """Once this rank knows the admission: form the group it will have in the background (each process it admits
+        learns of it from its ticket's ``ahead`` key and does the same), so that at the admission step nobody stands
+        still for it (:meth:`Membership.prepare`)."""
+        m = self.membership
+        ranks = sorted(set(m.ranks) | set(self.joiners(decision)))
+        for t in range(self.admitted + 1, decision["tickets"] + 1):
+            m.store.compare_set(self.key(f"ticket/{t}/ahead"), "", json.dumps([m.generation, ranks]))
+        m.prepare(ranks, m.generation)
 
     def joiners(self, decision: dict[str, Any]) -> dict[int, str]:
         """The ids admitted by ``decision``, each with its host (written with its ticket)."""
@@ -232,6 +243,7 @@ class Admissions:
         m = self.membership
         record = {**m.view(), "added": joiners, "at": decision["at"], "rounds": self.rounds + 1}
         record["admitted"] = decision["tickets"]
+        record["ahead"] = m.ready(sorted(set(m.ranks) | set(joiners)))  # (formed here: formed on all of them)
         for t in range(self.admitted + 1, decision["tickets"] + 1):
             record = json.loads(m.store.compare_set(self.key(f"ticket/{t}/admission"), "", json.dumps(record)))
         return record
@@ -265,10 +277,15 @@ class Request:
 
     def admission(self) -> dict[str, Any] | None:
         """Wait for the admission that names this ticket; None if the run ended first."""
-        m, key = self.membership, self.key(f"ticket/{self.ticket}/admission")
+        m = self.membership
+        key, ahead = self.key(f"ticket/{self.ticket}/admission"), self.key(f"ticket/{self.ticket}/ahead")
         while True:
             if m.store.check([key]):
                 return json.loads(m.store.get(key))
+            if ahead and m.store.check([ahead]):  # (the members know of the admission: its group forms meanwhile)
+                generation, ranks = json.loads(m.store.get(ahead))
+                m.prepare(ranks, generation)
+                ahead = ""
             if m.store.check([self.key("closed")]):
                 return None
             if self.patience_s is not None and time.time() - self.asked_at > self.patience_s:
@@ -350,8 +367,9 @@ class Joins:
         settle_s = lap()
         joiners = admissions.joiners(decision)
         record = admissions.announce(decision, joiners)
+        ahead = record["ahead"] and record["generation"] == m.generation  # (not where a loss came in between)
         if not any(change.added == sorted(joiners) for change in m.changes):  # (redone: admitted once is enough)
-            m.admit(list(joiners), joiners)
+            m.admit(list(joiners), joiners, ahead=ahead)
         group_s = lap()
         if m.rank == _source(m, joiners):
             parcels = [Parcel.of(part) for part in split(state, host.sync.late_shared_state)]  # (copies)
@@ -361,6 +379,7 @@ class Joins:
         reshape(host, state, own=host.sync.local_state_dict())
         admissions.done(record)
         event = {"event": "rank_joined", "ranks": sorted(joiners), "hosts": joiners, "world_size": m.size}
+        event["formed_ahead"] = ahead  # (the new group was formed before the admission step)
         took = {"settle_s": settle_s, "group_s": group_s, "pack_s": pack_s, "reshape_s": lap()}
         host.recorder.event({**event, "admission_s": clock[-1] - clock[0], **took}, epoch, host.run.step)
 
@@ -384,7 +403,7 @@ class Joins:
         joiners = {int(r): name for r, name in record["added"].items()}
         if m.rank not in m.ranks:
             m.enter(record)
-            m.admit(list(joiners), joiners)
+            m.admit(list(joiners), joiners, ahead=record["ahead"])
         receiving = Receiving(m, _source(m, joiners))
         first = receiving.first()
         host.load_replica(first)

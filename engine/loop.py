@@ -324,6 +324,7 @@ class Trainer:
         """Close files; a rank that ``left`` the run never touches a process group again. After a loss the groups
         are aborted: destroying one waits for what it queued, on NCCL maybe for the lost rank, forever."""
         self.guard.stop()
+        self.membership.cancel_ahead()  # (after the heartbeat, which prepares them, has stopped)
         self.recorder.close(left)
         if not left and dist.is_initialized():
             (dist.distributed_c10d._abort_process_group if self.guard.lost_ranks else dist.destroy_process_group)()

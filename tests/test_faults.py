@@ -846,3 +846,29 @@ def test_survivors_form_their_group_while_a_silent_peer_is_still_in_the_run_and_
         got = json.loads(Path(f"{out}.{rank}").read_text())
         assert got["ready"] and got["taken"] and not got["formed_after"], got
         assert got["ranks"] == [0, 1] and got["sum"] == [3.0, 3.0, 3.0]
+
+
+def test_a_group_prepared_ahead_that_not_every_member_prepares_is_called_off_and_ends_its_thread():
+    """A group formed ahead starts forming only once every member prepares it; one that some never prepare (a
+    change came first) is called off at the next change or at the end of the process, and its thread ends (it is
+    not a daemon: the interpreter must never end while it forms in C++)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from distributed.membership import Membership
+
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout)
+    m = Membership(0, 3, timeout=timeout, backend="gloo", prefix="called-off")
+    m._store = store
+    m.prepare([0, 1], 0)  # (rank 1 never prepares it)
+    [ahead] = m._ahead.values()
+    time.sleep(0.2)
+    assert ahead.alive() and not m.ready([0, 1])
+    started = time.monotonic()
+    m.cancel_ahead()
+    ahead._thread.join(timeout=5)
+    assert not ahead.alive() and ahead.group is None and time.monotonic() - started < 5
+    m.cancel_ahead()  # (kept until its thread ended, to retire its group if it had formed: none)
+    assert m._ahead == {} and m._dropped == []

@@ -6,6 +6,7 @@ one launch of three processes (``_workers.joined_and_resumed``)."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import subprocess
 import time
@@ -224,3 +225,58 @@ def test_a_joining_process_whose_sender_is_lost_before_the_rest_of_the_state_lea
     got = torch.load(out, weights_only=False)
     assert torch.equal(got["first"]["model"]["w"], torch.arange(6.0))
     assert got["left"] is not None and got["left"].startswith("rank 1 lost rank 0 before it had sent the whole state")
+
+
+def _admission_formed_ahead(role: int, port: int, out: str) -> None:
+    """Two members (roles 0, 1) step once a second and admit the process that asks (role 2); each writes whether
+    the admission took the group formed ahead, and a sum over it."""
+    from distributed.membership import Membership
+    from engine.joins import Admissions, Request
+
+    timeout = datetime.timedelta(seconds=30)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    if role < 2:
+        m = Membership(role, 2, timeout=timeout, backend="gloo", prefix="ahead-join")
+        m._store = store
+        m.group = m.form([0, 1])
+        admissions = Admissions(m, 30.0)
+        admissions.start(0)
+        step, record = 0, None
+        while record is None:
+            decision = admissions.due(step)
+            if decision is None:
+                time.sleep(1.0)
+                step += 1
+                continue
+            joiners = admissions.joiners(decision)
+            record = admissions.announce(decision, joiners)
+            m.admit(list(joiners), joiners, ahead=record["ahead"] and record["generation"] == m.generation)
+        admissions.stop()
+    else:
+        m = Membership(-1, 0, hosts=[], timeout=timeout, backend="gloo", prefix="ahead-join")
+        m.initial_size, m.group, m._store = 2, None, store
+        request = Request(m)
+        m.rank = request.ask()
+        record = request.admission()
+        m.enter(record)
+        m.admit([m.rank], {m.rank: record["added"][str(m.rank)]}, ahead=record["ahead"])
+    t = torch.ones(2)
+    dist.all_reduce(t, group=m.group)
+    with open(f"{out}.{role}", "w") as f:
+        json.dump({"ahead": record["ahead"], "ranks": m.ranks, "sum": t.tolist(), "rank": m.rank}, f)
+    m.cancel_ahead()
+
+
+def test_an_admission_takes_the_group_its_members_and_the_new_process_formed_while_the_members_trained(tmp_path):
+    """Once the members know the admission, each forms the new group in the background, and the process admitted,
+    told through its ticket, does the same: at the admission step they take it (the record says so), and it works
+    for all three."""
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+    out = str(tmp_path / "role")
+    mp.start_processes(_admission_formed_ahead, args=(store.port, out), nprocs=3, start_method="spawn")
+    got = [json.loads(Path(f"{out}.{role}").read_text()) for role in range(3)]
+    assert all(g["ahead"] for g in got), got
+    assert [g["ranks"] for g in got] == [[0, 1, 2]] * 3 and [g["rank"] for g in got] == [0, 1, 2]
+    assert all(g["sum"] == [3.0, 3.0] for g in got)
