@@ -141,7 +141,7 @@ class DiLoCo(Replicas):
         super().setup(model, optimizer, ctx)
         self.ranges = [(lo, hi) for _, lo, hi in segment_ranges(model, self.fragments)]
         # The outer parameters and momentum (fp32, the same on every rank: every rank starts from the same seed).
-        self.global_params = self.flat_parameters().float().clone()
+        self.global_params = self.flat_parameters().float()  # (a new tensor: torch.cat copies)
         self.momentum = torch.zeros_like(self.global_params)
 
     # ---- the schedule --------------------------------------------------------------------------------------
