@@ -68,6 +68,18 @@ def test_the_standstill_is_the_longest_wait_for_a_step_beyond_what_such_a_step_t
     assert (window(1), window(4), window(16)) == (8, 8, 32)
 
 
+def test_the_kills_window_ends_where_the_node_is_started_again():
+    """The kill's standstill is looked for among the steps before the node comes back (``back`` steps on): the new
+    process's start, on cores the nodes share, belongs to the join."""
+    from bench.peers.failures import standstills
+
+    times = [float(t) for t in range(1, 31)]
+    times[25:] = [t + 3.0 for t in times[25:]]  # a 3 s stall 24 steps after the kill, after the node came back
+    train = [{"time": t, "synced": i % 16 == 15} for i, t in enumerate(times)]
+    assert standstills(train, 0.5, None, 16, back=20)["kill_standstill_s"] == 0.0  # (20 steps, before the stall)
+    assert standstills(train, 0.5, None, 16, back=26)["kill_standstill_s"] == 3.0  # (26 steps: the stall is in)
+
+
 def test_the_failure_table_gives_each_sides_medians_over_its_runs_and_the_most_steps_any_lost():
     from bench.peers.__main__ import failure_table
     from bench.peers.failures import summary

@@ -12,7 +12,8 @@ Per side: the survivors' standstill after the kill and around the join, steps lo
 and the final top-1. The standstill is the longest wait for a step among the ``window`` steps after the moment,
 beyond what such a step takes in the run (a window of two periods of local SGD or DiLoCo: a loss is seen at the
 next synchronisation, and a joining replica that is late holds the others up there, which is where either side
-stands still). Steps lost: ours, steps trained again (what was redone); torchft's DDP, steps
+stands still; the kill's window ends where the node is started again, whose new process's start is the join's).
+Steps lost: ours, steps trained again (what was redone); torchft's DDP, steps
 trained and not committed; its local SGD and DiLoCo, the steps since the last synchronisation thrown away at each
 one whose vote failed (the replica goes back to its backup).
 """
@@ -64,13 +65,17 @@ def standstill(train: list[dict[str, Any]], at: float, steps: int) -> float | No
     return max(0.0, max(gap - typical[synced(r)] for r, gap in after))
 
 
-def standstills(train: list[dict[str, Any]], killed_at: float, join_at: float | None, period: int) -> dict[str, Any]:
-    """A side's standstill after the kill and for the join (None where it did not join), and their moments."""
+def standstills(
+    train: list[dict[str, Any]], killed_at: float, join_at: float | None, period: int, back: int
+) -> dict[str, Any]:
+    """A side's standstill after the kill and for the join (None where it did not join), and their moments. The
+    kill's window ends where the node is started again (``back`` steps after it), so that the new process's start
+    (two cores shared by three nodes) is not counted to the kill."""
     w = window(period)
     return {
         "killed_at": killed_at,
         "join_at": join_at,
-        "kill_standstill_s": standstill(train, killed_at, w),
+        "kill_standstill_s": standstill(train, killed_at, min(w, back)),
         "join_standstill_s": standstill(train, join_at, w) if join_at is not None else None,
     }
 
@@ -105,7 +110,7 @@ def ours(
     join_at = joined[0]["time"] - joined[0]["admission_s"] if joined else None
     return {
         "side": "ours",
-        **standstills(train, killed_at, join_at, period),
+        **standstills(train, killed_at, join_at, period, back),
         "lost_steps": len(numbers) - len(set(numbers)),
         "world_sizes": _sizes(train, "world_size"),
         "median_step_s": median(r["step_s"] for r in train),
@@ -207,7 +212,7 @@ def torchft(
     return {
         "side": "torchft",
         "restarted_at": started,
-        **standstills(train, killed_at, join_at, period),
+        **standstills(train, killed_at, join_at, period, back),
         "lost_steps": lost,
         "world_sizes": _sizes([r for r in votes if r["committed"]], "participants", 1 if ddp else period),
         "median_step_s": median(r["step_s"] for r in train),
