@@ -248,6 +248,10 @@ class Wrapper(SyncAlgorithm):
         return self.inner.evaluates_replicas
 
     @property
+    def late_shared_state(self) -> bool:  # type: ignore[override]
+        return self.inner.late_shared_state
+
+    @property
     def module(self) -> nn.Module:  # type: ignore[override]
         return self.inner.module
 

@@ -128,6 +128,9 @@ class RelaxedSync(Wrapper):
     """``sync=relaxed``: evict stragglers at each check; the exchange among survivors is ``inner``."""
 
     name = "relaxed"
+    # Its own shared state, the evictions so far, grows at an eviction, which may come in any step: a process that
+    # joins takes it (and so the inner algorithm's) before its first forward, whatever the inner algorithm's flag.
+    late_shared_state = False  # type: ignore[assignment]
 
     def __init__(
         self,

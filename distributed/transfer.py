@@ -165,7 +165,7 @@ class Parcel:
         """The header (the skeleton and each buffer's dtype and size, pickled, after its length), then each
         buffer."""
         header = pickle.dumps({"skeleton": self.skeleton, "buffers": [(b.dtype, b.numel()) for b in self.buffers]})
-        wire.send(torch.tensor([len(header)], dtype=torch.int64))
+        wire.send(torch.tensor([len(header)], dtype=torch.int64, device="cpu"))  # (a wire moves it where it goes)
         wire.send(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         for buffer in self.buffers:
             if buffer.numel():
@@ -174,14 +174,14 @@ class Parcel:
     @staticmethod
     def receive(wire: Wire) -> Any:
         """The state a :meth:`send` at the other end sent; its tensors on the CPU."""
-        length = torch.empty(1, dtype=torch.int64)
+        length = torch.empty(1, dtype=torch.int64, device="cpu")  # (what arrives is on the CPU: the module's doc)
         wire.recv(length)
-        header = torch.empty(int(length.item()), dtype=torch.uint8)
+        header = torch.empty(int(length.item()), dtype=torch.uint8, device="cpu")
         wire.recv(header)
         head = pickle.loads(header.numpy().tobytes())
         buffers = []
         for dtype, numel in head["buffers"]:
-            buffer = torch.empty(numel, dtype=dtype)
+            buffer = torch.empty(numel, dtype=dtype, device="cpu")
             if numel:
                 wire.recv(buffer)
             buffers.append(buffer)

@@ -24,13 +24,13 @@ the default group can be in the next one, as torchft's replicas join at its next
    (copies) and sends it from a thread, over a connection of the two processes' own, in two parts. The first,
    the model and all the joining process needs before its first forward, it waits for; the rest, the optimizer's
    state (and the sync algorithm's shared state where that is read only at a step: DiLoCo's outer state),
-   arrives while it computes its first step, and is loaded before that step's optimizer step. The members stand
-   still for the agreement, the new group and the rebuild alone; the joining process starts one first part's
-   transfer after them, not one whole state's.
+   arrives while it computes its first step, and is loaded before that step's optimizer step. The new group is
+   formed ahead too, once the admission is agreed (:meth:`Admissions._prepare`). The members stand still for the
+   rebuild alone; the joining process starts one first part's transfer after them, not one whole state's.
 
 A join is a membership change like a loss: a member lost in the middle of one is survived as anywhere else
 (``engine/failures.py``), and the admission is redone by who is left. A joining process whose sender is lost before
-it has the whole state leaves the run (it can ask again); the members survive both losses.
+it has the whole state leaves the run (it can ask again): to the members, a loss like any other.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ POLL_S = 0.2  # how often a member looks for tickets
 MARGIN = 2  # steps a member may still train after it promised, before it waits for the admission step
 ALIGN = 16  # steps further a promise may go to reach the sync algorithm's own agreement (local SGD's averaging)
 JOIN_FILE = "join.json"
+SEND_GRACE_S = 10.0  # how long a member that ends waits for a state it still sends
 
 
 @dataclass(frozen=True)
@@ -338,6 +339,8 @@ class Joins:
 
     def close(self) -> None:
         self.admissions.close()
+        for sending in self.sending:  # (a process ending while its thread sends would abort; a joiner gone ends it)
+            sending.wait(SEND_GRACE_S)
 
     def admit_if_due(self, epoch: int, site: Site) -> bool:
         """Admit the processes that asked to join if the members agreed on this step; between steps only while the
@@ -474,6 +477,9 @@ class Sending:
 
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def wait(self, timeout: float) -> None:
+        self._thread.join(timeout)
 
     def _send(self) -> None:
         try:
