@@ -22,6 +22,7 @@ Results: bench/results/soak.json and soak.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing
@@ -181,6 +182,12 @@ class Run:
     def close(self) -> None:
         for node in self.nodes:
             if node.poll() is None:
+                # Its workers first (a session of their own): with the agent gone, a worker still running waits in
+                # its store's reconnection for the store's timeout.
+                workers = subprocess.run(["pgrep", "-P", str(node.pid)], capture_output=True, text=True).stdout
+                for pid in map(int, workers.split()):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 os.killpg(node.pid, signal.SIGKILL)
         for process in self.joiners:
             if process.is_alive():

@@ -13,6 +13,14 @@ and a survivor shuts them down before it lets the group go. Every collective sti
 once, on this side and on the peer's, and both destructors return. The connections are found in ``/proc``: the
 sockets this process opened while the group was built, less listening ones and any to the run's store. Elsewhere
 (no ``/proc``) nothing is noted and a group is let go as before.
+
+A process can make connections in two threads at once: a group formed ahead of a change in the background while
+the training thread forms another, or a state's pipe to a joining process. Each block then notes the other's
+connections as well as its own (their sockets appear at the same moments), and nothing in ``/proc`` tells them
+apart. So every noted set is kept (:func:`keep`) for as long as its connections live, and :func:`cut` shuts down
+only the sockets that no other kept set holds: a group let go never takes a live group's connections with it.
+(Two sets noted at overlapping moments then protect each other's sockets: whichever is let go first is destroyed
+without its connections cut, as where nothing is noted.)
 """
 
 from __future__ import annotations
@@ -20,11 +28,14 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Iterator
+import threading
+from collections.abc import Hashable, Iterable, Iterator
 from typing import Any
 
 _TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 _LISTEN = "0A"  # (the state column of /proc/net/tcp)
+_kept: dict[Hashable, Connections] = {}  # what keep() was given, by key, until cut() or forget()
+_keeping = threading.Lock()
 
 
 class Connections:
@@ -47,6 +58,35 @@ class Connections:
             except OSError:  # (closed or reset meanwhile: nothing left to cut)
                 pass
         return shut
+
+
+def store_port() -> int | None:
+    """The port of the run's c10d store (MASTER_PORT), whose connections a group's never are."""
+    port = os.environ.get("MASTER_PORT")
+    return int(port) if port and port.isdigit() else None
+
+
+def keep(key: Hashable, made: list[Connections]) -> None:
+    """Keep the connections a :func:`noted` block made (``made``, its value) under ``key`` (a group's or a pipe's
+    id), for :func:`cut`; until then no other set's cut touches them."""
+    if made and made[0].sockets:
+        with _keeping:
+            _kept[key] = made[0]
+
+
+def forget(key: Hashable) -> None:
+    """Stop keeping ``key``'s connections (they are closed, or no longer worth protecting)."""
+    with _keeping:
+        _kept.pop(key, None)
+
+
+def cut(keys: Iterable[Hashable]) -> int:
+    """Shut down the connections kept under ``keys`` and stop keeping them, less any socket another kept set holds
+    too (noted at an overlapping moment, it may be that set's); how many were shut down."""
+    with _keeping:
+        cutting = [_kept.pop(key) for key in keys if key in _kept]
+        others = {s for connections in _kept.values() for s in connections.sockets}
+    return Connections(sorted({s for c in cutting for s in c.sockets} - others)).shut_down()
 
 
 @contextlib.contextmanager

@@ -36,13 +36,12 @@ import torch
 import torch.distributed as dist
 
 from distributed.alarm import Alarm
-from distributed.connections import Connections, noted
+from distributed.connections import cut, keep, noted, store_port
 
 _instances = itertools.count()  # Memberships made in this process: every rank makes them in the same order
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for a group or a store without one
 _groups = itertools.count()  # groups this process built: each needs a name of its own in torch's registry
 AHEAD_POLL_S = 0.02  # how often a group formed ahead looks whether all its members prepare it
-_connections: dict[int, Connections] = {}  # id of a gloo group built here -> its TCP connections (retire cuts them)
 
 
 class LeftRun(SystemExit):
@@ -83,9 +82,9 @@ def form_group(ranks: list[int], timeout: datetime.timedelta | None = None, wait
     it at once (waited for with ``wait``). NCCL creates a communicator lazily, at its first collective, and every
     member must be in that one: a group whose first operation some members skip (crossover's leaders-only exchange)
     would wait forever. Gloo connects every pair at ``new_group``, so the CPU never shows it."""
-    with noted(_store_port()) as made:
+    with noted(store_port()) as made:
         group = dist.new_group(ranks, use_local_synchronization=True, timeout=timeout)
-    _note(group, made)
+    keep(id(group), made)
     nccl = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     wait([dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True)])
@@ -109,9 +108,9 @@ def build_group(
         implementation: Any = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", store), index, size, options)
     else:
         device, kind = torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO
-        with noted(_store_port()) as made:
+        with noted(store_port()) as made:
             implementation = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), index, size, timeout)
-        _note(group, made)
+        keep(id(group), made)
     group._set_default_backend(kind)
     group._register_backend(torch.device(device.type), kind, implementation)
     group._set_group_name(name)
@@ -138,23 +137,10 @@ def retire(groups: list[Any]) -> None:
     that changes all day would otherwise keep one set per change open. A gloo group's connections are shut down
     first: its destructor waits for every collective still on it until the group's timeout, and after a loss two
     survivors can each hold one the other never issued (distributed/connections.py)."""
+    cut([id(group) for group in groups])
     for group in groups:
-        connections = _connections.pop(id(group), None)
-        if connections is not None:
-            connections.shut_down()
         if group in dist.distributed_c10d._world.pg_map:
             dist.destroy_process_group(group)
-
-
-def _note(group: Any, made: list[Connections]) -> None:
-    if made and made[0].sockets:
-        _connections[id(group)] = made[0]
-
-
-def _store_port() -> int | None:
-    """The port of the run's c10d store (MASTER_PORT), whose connections a group's never are."""
-    port = os.environ.get("MASTER_PORT")
-    return int(port) if port and port.isdigit() else None
 
 
 def run_store(timeout: datetime.timedelta | None = None) -> dist.Store:
@@ -276,7 +262,8 @@ class Membership:
         if not removed:
             return None
         survivors = [r for r in self.ranks if r not in removed]
-        self.generation += 1
+        with self._ahead_lock:  # (a group asked for from the old generation after this is not prepared)
+            self.generation += 1
         replaced = [g for g in (self.group, *self._subgroups) if g is not None]
         self.ranks, self.group, self._subgroups = survivors, None, []
         if self.rank in removed:
@@ -309,7 +296,7 @@ class Membership:
             return
         key = (generation, tuple(ranks))
         with self._ahead_lock:
-            if key in self._ahead:
+            if key in self._ahead or generation < self.generation:  # (a change came since it was asked for)
                 return
             members = "-".join(map(str, ranks)) if len(ranks) <= 16 else f"{ranks[0]}..x{len(ranks)}"
             store = dist.PrefixStore(self.key(f"ahead/{key[0]}/{members}/"), self.store.clone())
@@ -408,7 +395,8 @@ class Membership:
         a collective over the active ranks and the admitted ones (which :meth:`enter` first). Their group (formed
         ahead, :meth:`prepare`, where the admission says so) replaces the active one; nobody leaves, nothing is
         aborted."""
-        self.generation += 1
+        with self._ahead_lock:
+            self.generation += 1
         self.ranks = sorted(set(self.ranks) | set(added))
         for r in added:
             self.hosts.extend([""] * (r + 1 - len(self.hosts)))
@@ -450,8 +438,9 @@ class Ahead:
     """A group formed in a thread of its own (:meth:`Membership.prepare`). The thread starts forming it only once
     every member has said it prepares it too (before that it can be called off, :meth:`cancel`, and a prepared group
     some members never prepare, because a change came first, is called off at the next change): gloo's forming
-    waits in C++ until every member is there, where nothing can end it but the group's timeout. The thread is not a
-    daemon, so that the interpreter never ends while it is in there (that aborts the process)."""
+    waits in C++ until every member is there, where nothing can end it but the group's timeout. Whether it forms is
+    decided once for all its members, through the store (first writer wins): all of them form it, or none. The
+    thread is not a daemon, so that the interpreter never ends while it is in there (that aborts the process)."""
 
     def __init__(self, store: dist.Store, ranks: list[int], rank: int, timeout: datetime.timedelta):
         self.group: Any = None
@@ -466,15 +455,23 @@ class Ahead:
         try:
             store.set(f"preparing/{rank}", "1")
             everyone, deadline = [f"preparing/{r}" for r in ranks], time.monotonic() + timeout.total_seconds()
-            while not store.check(everyone):
+            while True:
+                if store.check(everyone):
+                    fate = store.compare_set("fate", "", "form")
+                    break
                 if self._cancelled.wait(AHEAD_POLL_S) or time.monotonic() > deadline:
-                    return
-            self.group = build_group(store, ranks, rank, "gloo", timeout)
+                    fate = store.compare_set("fate", "", "off")
+                    break
+            # The first member to see all of them prepared, or to be called off, decides for all: one called off
+            # after another saw them all prepared forms the group all the same (to let it go), as the others wait
+            # for it in gloo's forming.
+            if fate == b"form":
+                self.group = build_group(store, ranks, rank, "gloo", timeout)
         except Exception as error:  # (its members went elsewhere: never taken)
             self.error = error
 
     def cancel(self) -> None:
-        """Call it off if its forming has not begun (a change came first, or the process ends)."""
+        """Call it off, unless its members decided to form it already (a change came first, or the process ends)."""
         self._cancelled.set()
 
     def formed(self) -> bool:

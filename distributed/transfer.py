@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+from distributed.connections import forget, keep, noted, store_port
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,10 @@ class Pipe:
 
     def __init__(self, store: dist.Store, me: int, peer: int, timeout: datetime.timedelta):
         index = int(me > peer)
-        self._gloo = dist.ProcessGroupGloo(store, index, 2, timeout)
+        with noted(store_port()) as made:  # (kept while it lives, so that no group let go meanwhile cuts it)
+            self._gloo = dist.ProcessGroupGloo(store, index, 2, timeout)
+        keep(id(self), made)
+        weakref.finalize(self, forget, id(self))
         self._peer = 1 - index
 
     def send(self, tensor: torch.Tensor) -> None:

@@ -158,7 +158,8 @@ class SurvivingGuard:
     def _survive(self, error: BaseException, epoch: int) -> None:
         """Recover from ``error`` if it may be a loss (else raise it). Another peer lost during the recovery (while
         the survivors agree, form their group, follow the change or heal) is a failure of the recovery like any
-        other: they agree again, over who is left, and each loss is written once."""
+        other: they agree again, over who is left, and each loss is written once. An error after which they agree
+        that nobody is gone (``recover`` raises it again) is this rank's own, and is raised."""
         changes = self.failures.membership.changes
         self._reported = len(changes)  # the changes a rank_lost event has named
         while True:
@@ -170,6 +171,8 @@ class SurvivingGuard:
             except CatchUp:
                 raise
             except Exception as again:
+                if again is error:  # (every peer is there: agreeing again would find the same, for ever)
+                    raise
                 error = again
 
     def _alarm_rang(self) -> bool:

@@ -3,6 +3,7 @@ whatever was abandoned on it until the group's timeout."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distributed.connections import noted
+from distributed.connections import cut, keep, noted
 
 TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -35,6 +36,32 @@ def test_the_connections_opened_in_the_block_are_noted_less_listeners_and_the_st
             assert connections.shut_down() == 0
         finally:
             for s in (listener, to_store, peer, ours):
+                s.close()
+
+
+def test_a_set_let_go_never_cuts_a_socket_that_a_live_set_noted_at_an_overlapping_moment_holds():
+    """Two blocks in two threads at once (a group formed ahead while another forms) each note both sockets."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        with noted() as first:
+            with noted() as second:
+                a = socket.create_connection(server.getsockname())
+            b = socket.create_connection(server.getsockname())
+        peers = [server.accept()[0] for _ in range(2)]
+        try:
+            assert {fd for fd, _ in first[0].sockets} == {a.fileno(), b.fileno()}
+            assert [fd for fd, _ in second[0].sockets] == [a.fileno()]
+            keep("first", first)
+            keep("second", second)
+            assert cut(["second"]) == 0  # (a is the first's as much as the second's: the first set lives on)
+            peers[0].setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                assert peers[0].recv(1) != b""  # (still open)
+            assert cut(["first"]) == 2  # (no other set holds them now)
+            for peer in peers:
+                peer.settimeout(30)
+                assert peer.recv(1) == b""
+        finally:
+            for s in (a, b, *peers):
                 s.close()
 
 

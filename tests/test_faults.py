@@ -872,3 +872,35 @@ def test_a_group_prepared_ahead_that_not_every_member_prepares_is_called_off_and
     assert not ahead.alive() and ahead.group is None and time.monotonic() - started < 5
     m.cancel_ahead()  # (kept until its thread ended, to retire its group if it had formed: none)
     assert m._ahead == {} and m._dropped == []
+
+
+def test_a_member_called_off_after_another_decided_to_form_the_group_ahead_forms_it_too():
+    """Whether a group prepared ahead forms is decided once for all its members (the first to see them all prepared,
+    or to be called off, decides): a member called off after another saw them all prepared still forms it, or the
+    others would wait in gloo's forming for it until the group's timeout, their non-daemon threads holding their
+    processes at the end."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from distributed.membership import Membership
+
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout)
+    members = [Membership(r, 2, timeout=timeout, backend="gloo", prefix="decided") for r in (0, 1)]
+    for m in members:
+        m._store = store.clone()
+    members[0].prepare([0, 1], 0)
+    [ahead] = members[0]._ahead.values()
+    time.sleep(0.2)
+    decided = dist.PrefixStore(members[0].key("ahead/0/0-1/"), store)
+    decided.set("fate", "form")  # (as if rank 1 had seen both prepared first)
+    members[0].cancel_ahead()  # (a change came first on rank 0)
+    members[1].prepare([0, 1], 0)
+    [other] = members[1]._ahead.values()
+    for thread in (ahead._thread, other._thread):
+        thread.join(timeout=30)
+    assert ahead.group is not None and members[1].ready([0, 1]), (ahead.error, other.error)
+    members[0].cancel_ahead()  # (its group, formed after it was dropped, is let go at the next change)
+    assert members[0]._dropped == []
+    members[1].cancel_ahead()

@@ -164,6 +164,31 @@ def test_an_error_of_the_recovery_that_is_no_loss_ends_the_run_and_an_unreachabl
         assert host.applied == [] and not guard._lost
 
 
+def test_an_error_after_which_the_survivors_agree_that_no_peer_is_gone_ends_the_run_at_once():
+    """``Failures.recover`` raises the error itself when every peer is still there (it was this rank's own, or its
+    group's): that ends the run, where agreeing again would find the same and go round for ever."""
+    from distributed.membership import Membership
+    from engine.guard import SurvivingGuard
+
+    host, membership = _Host(), Membership(0, 3)
+    guard = SurvivingGuard(membership, 3.0, host)
+    closed, calls = RuntimeError("Connection closed by peer"), []
+
+    def recover(error, at):
+        calls.append(error)
+        assert len(calls) == 1, "agreed again on the same error"
+        raise error  # (no peer is gone)
+
+    guard.failures.recover = recover
+
+    def step():
+        raise closed
+
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        guard.run(Phase.STEP, step, epoch=1)
+    assert calls == [closed] and host.applied == [] and not guard._lost
+
+
 def test_a_rank_healed_after_a_second_loss_writes_no_loss_the_front_has_written():
     """Rank 0 is a collective behind when rank 2 is lost; rank 1, its source, hangs while it heals it. The others
     agree on rank 1, and rank 3 (which went on and redid what was in flight, writing rank 2's loss) heals rank 0,
