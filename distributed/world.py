@@ -24,12 +24,14 @@ def select_device(name: str, local_rank: int) -> torch.device:
 # worker sets 2 over it, before its process group reads it, unless the mode already is one that survives.
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 SURVIVING_NCCL_MODES = ("0", "2")
-# On a failed collective the watchdog of the first group to see it also asks for torch's flight-recorder dump and
-# waits for it, up to TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, before it cleans up. On a GPU (torch 2.11) every
-# survivor of a killed node stood still 60 s before its recovery went on, once per failed collective, and a peer
-# frozen that long was taken for hung. A run that survives failures expects them: it asks for no dump, unless the
-# user set the variable.
+# On a failed collective the watchdog of the group asks for torch's flight-recorder dump, then sleeps four times
+# TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (15 s by default: 60 s) whether or not a dump was asked for, and only then
+# cleans up. The group's destructor waits for its watchdog: on a GPU (torch 2.11) the survivors of a killed node
+# stood still 60 s after agreeing, where DDP let the replaced group go (its reducer held the last reference), and
+# before that a peer frozen as long was taken for hung. A run that survives failures expects them: it asks for no
+# dump and no such wait, unless the user set the variables.
 NCCL_DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+NCCL_DUMP_WAIT_MS = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
 
 
 def nccl_environment(survive_failures: bool, env: os._Environ | dict = os.environ) -> dict[str, str]:
@@ -41,6 +43,8 @@ def nccl_environment(survive_failures: bool, env: os._Environ | dict = os.enviro
         out[NCCL_ERROR_HANDLING] = "2"
     if NCCL_DUMP_ON_TIMEOUT not in env:
         out[NCCL_DUMP_ON_TIMEOUT] = "0"
+    if NCCL_DUMP_WAIT_MS not in env:
+        out[NCCL_DUMP_WAIT_MS] = "0"
     return out
 
 

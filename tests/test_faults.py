@@ -784,16 +784,17 @@ print("ok")
 def test_under_continue_nccl_is_kept_from_ending_the_survivors():
     """torch's NCCL watchdog ends a process whose collective failed unless its mode is 0 or 2; torchrun's agent
     gives its workers 1. A worker of a run that survives failures sets 2 over it (and over torch's default, 3).
-    It also asks for no flight-recorder dump on a failure, which the watchdog waits 60 s for (seen on a GPU),
-    unless the user asked for one either way."""
-    from distributed.world import NCCL_DUMP_ON_TIMEOUT, NCCL_ERROR_HANDLING, nccl_environment
+    It also asks for no flight-recorder dump on a failure and for no wait for one (the watchdog sleeps 60 s by
+    default, dump or not, and the group's destructor waits for it: seen on a GPU), unless the user chose."""
+    from distributed.world import NCCL_DUMP_ON_TIMEOUT, NCCL_DUMP_WAIT_MS, NCCL_ERROR_HANDLING, nccl_environment
 
-    no_dump = {NCCL_DUMP_ON_TIMEOUT: "0"}
+    no_dump = {NCCL_DUMP_ON_TIMEOUT: "0", NCCL_DUMP_WAIT_MS: "0"}
     assert nccl_environment(True, {}) == {NCCL_ERROR_HANDLING: "2", **no_dump}
     assert nccl_environment(True, {NCCL_ERROR_HANDLING: "1"}) == {NCCL_ERROR_HANDLING: "2", **no_dump}  # torchrun's
     assert nccl_environment(True, {NCCL_ERROR_HANDLING: "3"}) == {NCCL_ERROR_HANDLING: "2", **no_dump}
     assert nccl_environment(True, {NCCL_ERROR_HANDLING: "0"}) == no_dump
-    assert nccl_environment(True, {NCCL_ERROR_HANDLING: "2", NCCL_DUMP_ON_TIMEOUT: "1"}) == {}  # the user's choice
+    users = {NCCL_ERROR_HANDLING: "2", NCCL_DUMP_ON_TIMEOUT: "1", NCCL_DUMP_WAIT_MS: "15000"}
+    assert nccl_environment(True, users) == {}  # the user's choice
     assert nccl_environment(False, {NCCL_ERROR_HANDLING: "1"}) == {}  # under abort, torchrun's choice stands
 
 

@@ -150,17 +150,19 @@ def test_a_process_that_joins_a_run_on_nccl_sets_the_nccl_environment_the_member
     survive a failure as the members' do: the watchdog's mode that lets a survivor live, and no dump to wait for."""
     from test_faults import free_port
 
-    from distributed.world import NCCL_DUMP_ON_TIMEOUT, NCCL_ERROR_HANDLING
+    from distributed.world import NCCL_DUMP_ON_TIMEOUT, NCCL_DUMP_WAIT_MS, NCCL_ERROR_HANDLING
     from engine.joins import joining_membership
 
     monkeypatch.setenv(NCCL_ERROR_HANDLING, "1")  # (torchrun's, as a worker it starts has)
     monkeypatch.delenv(NCCL_DUMP_ON_TIMEOUT, raising=False)
+    monkeypatch.delenv(NCCL_DUMP_WAIT_MS, raising=False)
     port = free_port()
     store = dist.TCPStore("localhost", port, is_master=True, timeout=datetime.timedelta(seconds=30))
     JoinFile("localhost", port, "relaxsync/restart0/membership0", 2, "nccl").write(str(tmp_path))
     membership = joining_membership(str(tmp_path), hang_timeout_s=5, timeout_s=30)
     assert membership.backend == "nccl" and membership.group is None
     assert os.environ[NCCL_ERROR_HANDLING] == "2" and os.environ[NCCL_DUMP_ON_TIMEOUT] == "0"
+    assert os.environ[NCCL_DUMP_WAIT_MS] == "0"
     del membership, store
 
 
