@@ -8,6 +8,7 @@ import datetime
 import os
 import tempfile
 import threading
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,11 +89,16 @@ def _exchange(rank: int, init: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_a_state_sent_over_gloo_arrives_as_it_was_sent():
+def _run_pair(fn) -> Any:
+    """``fn(rank, init, out)`` in two spawned processes; what the receiver saved in ``out``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "received.pt")
-        mp.start_processes(_exchange, args=(f"file://{tmp}/store", out), nprocs=2, start_method="spawn")
-        got = torch.load(out, weights_only=False)
+        mp.start_processes(fn, args=(f"file://{tmp}/store", out), nprocs=2, start_method="spawn")
+        return torch.load(out, weights_only=False)
+
+
+def test_a_state_sent_over_gloo_arrives_as_it_was_sent():
+    got = _run_pair(_exchange)
     assert_same(got, a_state())
     assert got["tied"] is got["model"]["w"]
 
@@ -138,10 +144,7 @@ def _pipe_beside_collectives(rank: int, init: str, out: str) -> None:
 
 
 def test_a_pipe_carries_states_from_a_thread_while_the_main_thread_runs_collectives():
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "received.pt")
-        mp.start_processes(_pipe_beside_collectives, args=(f"file://{tmp}/store", out), nprocs=2, start_method="spawn")
-        got = torch.load(out, weights_only=False)
+    got = _run_pair(_pipe_beside_collectives)
     assert got["sums"] == [float(2 * i + 1) for i in range(50)]
     assert len(got["states"]) == 3
     for state in got["states"]:
