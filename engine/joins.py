@@ -307,7 +307,6 @@ class Host(Protocol):
     rank: int
     run_dir: str
 
-    awaiting: Callable[[], None] | None  # the rest of a joining process's state (Trainer.complete)
     cfg: dict[str, Any]
     data: Any  # data.common.Data
     batch_size: int
@@ -333,9 +332,16 @@ class Joins:
         self.admissions = Admissions(membership, hang_timeout_s, lambda steps: host.sync.agreement_at(steps))
         self.host = host
         self.sending: list[Sending] = []  # states still on their way to processes admitted
+        self.awaiting: Callable[[], None] | None = None  # the part of its state a joining process still receives
 
     def start(self, step: int) -> None:
         self.admissions.start(step, self.host.run_dir)
+
+    def complete(self) -> None:
+        """On a process that joined: load the rest of its state, once (:meth:`Trainer.complete` says when)."""
+        awaiting, self.awaiting = self.awaiting, None
+        if awaiting is not None:
+            awaiting()
 
     def close(self) -> None:
         self.admissions.close()
@@ -412,7 +418,7 @@ class Joins:
         host.load_replica(first)
         reshape(host, first, own=None)
         self.admissions.done(record)
-        host.awaiting = partial(_complete, host, receiving.start())
+        self.awaiting = partial(_complete, host, receiving.start())
 
 
 def warm_up(host: Host) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -74,7 +73,6 @@ class Trainer:
             self.schedule.scale = 1.0
         self.sync = instantiate(cfg["sync"])  # (and again where a join reshapes the run: engine/joins.py)
         self.loop = LoopState()
-        self.awaiting: Callable[[], None] | None = None  # the part of its state a joining process still receives
         if not self.joining:  # (a joining process sets up its algorithm and loaders once admitted: joins.reshape)
             self.sync.setup(self.raw_model, self.optimizer, SyncContext(self.comm, self.membership, self.device))
             if state is not None:
@@ -132,9 +130,8 @@ class Trainer:
     def complete(self) -> None:
         """On a process that joined, before it first steps, settles or hands its state on: the rest of its state,
         which arrived while it computed (``engine/joins.py``); nothing anywhere else."""
-        awaiting, self.awaiting = self.awaiting, None
-        if awaiting is not None:
-            awaiting()
+        if self.joins is not None:
+            self.joins.complete()
 
     def done(self) -> bool:
         """Whether the run has reached its end (``trainer.epochs``, ``trainer.max_steps`` or ``target_top1``)."""
