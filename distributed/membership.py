@@ -143,6 +143,11 @@ def retire(groups: list[Any]) -> None:
             dist.destroy_process_group(group)
 
 
+def _members(ranks: list[int]) -> str:
+    """A set of ranks in a store key: each of a few, or the first, the last and how many."""
+    return "-".join(map(str, ranks)) if len(ranks) <= 16 else f"{ranks[0]}..{ranks[-1]}x{len(ranks)}"
+
+
 def run_store(timeout: datetime.timedelta | None = None) -> dist.Store:
     """A connection of this process's own to the run's c10d store, at ``MASTER_ADDR:MASTER_PORT`` (with
     ``timeout``, default: the default group's store's); the default group's store itself where those are not
@@ -298,8 +303,7 @@ class Membership:
         with self._ahead_lock:
             if key in self._ahead or generation < self.generation:  # (a change came since it was asked for)
                 return
-            members = "-".join(map(str, ranks)) if len(ranks) <= 16 else f"{ranks[0]}..x{len(ranks)}"
-            store = dist.PrefixStore(self.key(f"ahead/{key[0]}/{members}/"), self.store.clone())
+            store = dist.PrefixStore(self.key(f"ahead/{key[0]}/{_members(ranks)}/"), self.store.clone())
             self._ahead[key] = Ahead(store, list(ranks), self.rank, self.timeout or DEFAULT_TIMEOUT)
 
     def ready(self, ranks: list[int], generation: int | None = None) -> bool:
@@ -386,8 +390,7 @@ class Membership:
             return form_group(ranks, self.timeout, self.wait)
         formed = (self.generation, tuple(ranks))
         self._formed[formed] = n = self._formed.get(formed, 0) + 1
-        members = "-".join(map(str, ranks)) if len(ranks) <= 16 else f"{ranks[0]}..{ranks[-1]}x{len(ranks)}"
-        store = dist.PrefixStore(self.key(f"group/{self.generation}/{members}/{n}/"), self.store)
+        store = dist.PrefixStore(self.key(f"group/{self.generation}/{_members(ranks)}/{n}/"), self.store)
         return build_group(store, ranks, self.rank, self.backend, self.timeout or DEFAULT_TIMEOUT, self.wait)
 
     def admit(self, added: list[int], hosts: dict[int, str], ahead: bool = False) -> Change:

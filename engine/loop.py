@@ -16,16 +16,15 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
 
 from algorithms.base import StepResult, SyncContext, SyncReport
 from data.common import Loaders, build_data
 from distributed.comm import Communicator
-from distributed.membership import retire
 from distributed.world import select_device
 from engine.checkpoint import Checkpointer
+from engine.ending import close, finish
 from engine.evaluate import Evaluation, Evaluator, reached_target
 from engine.failures import Phase
 from engine.guard import Site, build_guard
@@ -159,7 +158,7 @@ class Trainer:
             self.stop.disarm()
             if self.joins is not None:
                 self.joins.close()  # (a process still waiting to join is told)
-        return self.finish(time.perf_counter() - train_start)
+        return finish(self, time.perf_counter() - train_start)
 
     def train_epochs(self) -> None:
         """Epochs, each followed by its evaluation and checkpoint, until the run ends or stops."""
@@ -295,35 +294,6 @@ class Trainer:
         if self.checkpointer.save_stateful(self, self.sync.local_state_dict(), self.step, stopped_by, writes):
             self.recorder.event({"event": "checkpoint", "path": self.checkpointer.path}, epoch, self.step)
 
-    def finish(self, train_s: float) -> dict[str, Any] | None:
-        """End of this invocation: the summary record and the console block (logging rank), then a barrier."""
-        self.sync.drain()
-        self.sync.finalize()
-        replica_spread = self.guard.repeat(self._replica_spread)  # (a rank healed in it enters at the exit)
-        t, finished = self.cfg["trainer"], self.done()
-        summary = self.recorder.summarize(
-            self.run, self.comm.totals, list(self.guard.lost_ranks),
-            finished=finished, replica_spread=replica_spread, train_s=train_s, num_params=self.num_params,
-            stopped_by=None if finished else self.stop.stopped_by(self.step),
-            reached_target=reached_target(self.run, t) if t["target_top1"] is not None else None,
-        )  # fmt: skip
-        # Every rank waits for the logging rank to finish logging before any of them closes its connections:
-        # gloo can abort a process whose peer disappears while it still works.
-        carry = {Phase.END: replica_spread}
-        self.guard.run(Phase.EXIT, self.comm.barrier, self.run.last_epoch, Site.END, carry)
-        return summary
-
-    def _replica_spread(self) -> float:
-        spread = partial(self.evaluation.evaluator.replica_spread, self.raw_model)
-        return self.guard.run(Phase.END, spread, self.run.last_epoch, Site.END)
-
     def close(self, left: bool = False) -> None:
-        """Close files; a rank that ``left`` the run never touches a process group again. After a loss the groups
-        are aborted: destroying one waits for what it queued, on NCCL maybe for the lost rank, forever."""
-        self.guard.stop()
-        self.membership.cancel_ahead()  # (after the heartbeat, which prepares them, has stopped)
-        self.recorder.close(left)
-        if not left and dist.is_initialized():
-            (dist.distributed_c10d._abort_process_group if self.guard.lost_ranks else dist.destroy_process_group)()
-        elif not left and self.membership.group is not None:  # a process that joined: its groups are its own
-            retire([self.membership.group])
+        """Close files and process groups (``engine/ending.py``)."""
+        close(self, left)
