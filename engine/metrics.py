@@ -62,8 +62,13 @@ class MetricsWriter:
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``, which may be read while it is written: a last line without its newline
+    is a record still being written (an append that crosses a page boundary is not atomic against a reader), or
+    one a crash cut short, and is left out."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        text = f.read()
+    complete = text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 class ExperimentLogger:

@@ -41,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from engine.metrics import read_metrics  # noqa: E402
 from tests._chaos_victim import PHASES  # noqa: E402
 
 FAULTS = ("kill", "hang")
@@ -221,13 +222,7 @@ def read_records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # (a line being written)
-    return rows
+    return read_metrics(str(path))
 
 
 def kinds(records: list[dict], kind: str) -> list[dict]:

@@ -13,7 +13,7 @@ from conftest import plain_cfg
 from data.common import ShardSampler, TrainSampler, resumed_step_in_epoch, steps_per_epoch
 from engine import checkpoint as ckpt
 from engine.amp import ApexAmp, TorchAmp, probe_apex
-from engine.metrics import wandb_keys
+from engine.metrics import MetricsWriter, read_metrics, wandb_keys
 from engine.optim import LRSchedule, build_optimizer, effective_lr
 
 
@@ -163,6 +163,21 @@ def test_wandb_key_names_follow_the_metrics_contract():
 def _tiny():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+
+
+def test_metrics_read_while_written_leave_out_the_record_still_being_written(tmp_path):
+    """Tests and benches poll metrics.jsonl while a run appends to it; an append that crosses a page boundary can
+    be seen half written, and reading it must not fail (nor return half a record)."""
+    path = str(tmp_path / "metrics.jsonl")
+    writer = MetricsWriter(path)
+    writer.write({"kind": "train", "step": 1})
+    writer.close()
+    with open(path, "a") as f:
+        f.write('{"kind": "train", "step": 2, "lo')
+    assert read_metrics(path) == [{"kind": "train", "step": 1}]
+    with open(path, "a") as f:
+        f.write('ss": 1.5}\n')
+    assert read_metrics(path) == [{"kind": "train", "step": 1}, {"kind": "train", "step": 2, "loss": 1.5}]
 
 
 def test_torch_amp_autocasts_to_bfloat16_on_cpu():
