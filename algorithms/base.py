@@ -71,8 +71,9 @@ skipped step the algorithm leaves its own state (residuals, momenta) as it was b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -106,6 +107,19 @@ class SyncContext:
     # The replicas are known to be identical when the algorithm is set up (the world grew by a join, after a
     # checkpoint's agreement): a wrapper need not broadcast them again.
     replicas_agree: bool = False
+    # Processes admitted at a step count (``engine/joins.py``, under ``trainer.on_failure: continue``): called with
+    # the steps an averaging completes, a :class:`Guests` that sums it over the members and those processes (each
+    # adding nothing and taking the result as its model), or None. Only an average of the whole model may ask.
+    guests: Callable[[int], Guests | None] | None = None
+
+
+class Guests(Protocol):
+    """Processes that join at an averaging's step and take the model from it (``SyncContext.guests``)."""
+
+    def sum(self, flat: torch.Tensor, names: list[str]) -> bool:
+        """Sum ``flat`` (the members' tensors named ``names``, in order, then scalars of their own) in place over
+        the members and the guests; False, with ``flat`` as it was, where the members sum it without them."""
+        ...
 
 
 # ---- what a hook hands back ---------------------------------------------------------------------------------

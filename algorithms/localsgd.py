@@ -88,7 +88,7 @@ class LocalSGD(SyncAlgorithm):
         metrics: dict[str, float] = {"k_steps": self.k_steps}
         events: list[dict[str, Any]] = []
         if step + 1 >= self.next_sync:
-            metrics.update(self.average(self.sync_payload(result)))
+            metrics.update(self.average(self.sync_payload(result), steps=step + 1))
             events = self.on_sync(result, metrics)
             self.next_sync = step + 1 + self.k_steps
         return SyncReport(metrics=metrics, events=events)
@@ -101,14 +101,14 @@ class LocalSGD(SyncAlgorithm):
         """Extra scalars to average with the parameters (appended to the same allreduce)."""
         return []
 
-    def average(self, extras: list[torch.Tensor] = ()) -> dict[str, float]:
+    def average(self, extras: list[torch.Tensor] = (), steps: int | None = None) -> dict[str, float]:
         """Average parameters (+ buffers, + momentum, + ``extras``) over the active ranks in one allreduce (the
-        averaged extras land in ``averaged_extras``); return this rank's L2 distance to the average before it."""
+        averaged extras land in ``averaged_extras``); return this rank's L2 distance to the average before it.
+        The averaging that completes ``steps`` steps, where processes join, is their model too (``ctx.guests``):
+        they add nothing to the sum, which is divided by the members alone."""
         comm = self.ctx.comm
-        params = [p.data for p in self.model.parameters()]
-        tensors = list(params)
-        if self.average_buffers:
-            tensors += [b.data for b in self.model.buffers() if b.is_floating_point()]
+        named = self.averaged(self.model)
+        tensors = [t.data for _, t in named]
         if self.average_momentum:
             tensors += [
                 s["momentum_buffer"]
@@ -116,8 +116,10 @@ class LocalSGD(SyncAlgorithm):
                 if isinstance(s.get("momentum_buffer"), torch.Tensor)
             ]
         flat = torch.cat([t.reshape(-1).float() for t in tensors] + [e.reshape(-1).float() for e in extras])
-        local = flat[: sum(p.numel() for p in params)].clone()
-        comm.all_reduce(flat)
+        local = flat[: sum(p.numel() for p in self.model.parameters())].clone()
+        guests = self.ctx.guests(steps) if self.ctx.guests is not None and steps is not None else None
+        if guests is None or self.average_momentum or not guests.sum(flat, [name for name, _ in named]):
+            comm.all_reduce(flat)
         flat.div_(comm.size)
         distance = float((local - flat[: local.numel()]).double().norm())
         offset = 0
@@ -128,6 +130,14 @@ class LocalSGD(SyncAlgorithm):
         self.num_syncs += 1
         self._agreed = True
         return {"replica_distance": distance, "synced": 1.0}
+
+    def averaged(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """The model's tensors an averaging covers, by name, in the order it sends them: the parameters, then the
+        floating-point buffers (``average_buffers``)."""
+        named = list(model.named_parameters())
+        if self.average_buffers:
+            named += [(name, b) for name, b in model.named_buffers() if b.is_floating_point()]
+        return named
 
     def before_eval(self) -> None:
         if self.next_sync is None:  # still synchronous: parameters agree, only BN statistics may not
@@ -141,8 +151,10 @@ class LocalSGD(SyncAlgorithm):
     def agreement_at(self, steps: int) -> int:
         """The next averaging's step count, or one after it (the period as it is now), from ``steps`` on."""
         first = self.next_sync
-        if first is None:  # still synchronous: any step
-            return steps
+        if first is None:  # synchronous until begin_step (any step agrees), averaging k steps after it
+            if steps <= self.begin_step:
+                return steps
+            first = self.begin_step + self.k_steps
         return first if steps <= first else first + -(-(steps - first) // self.k_steps) * self.k_steps
 
     # ---- state -----------------------------------------------------------------------------------------------

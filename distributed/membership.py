@@ -306,12 +306,25 @@ class Membership:
             store = dist.PrefixStore(self.key(f"ahead/{key[0]}/{_members(ranks)}/"), self.store.clone())
             self._ahead[key] = Ahead(store, list(ranks), self.rank, self.timeout or DEFAULT_TIMEOUT)
 
-    def ready(self, ranks: list[int], generation: int | None = None) -> bool:
+    def ready(self, ranks: list[int], generation: int | None = None, wait_s: float = 0.0) -> bool:
         """Whether the group :meth:`prepare` forms for ``ranks`` from ``generation`` (default: this one) is formed on
-        this rank, and so on every one of them: its forming ends with a collective over all of them."""
+        this rank, and so on every one of them: its forming ends with a collective over all of them. Waits up to
+        ``wait_s`` for a group being formed."""
         with self._ahead_lock:
             ahead = self._ahead.get((self.generation if generation is None else generation, tuple(ranks)))
+        if ahead is not None and wait_s > 0:
+            ahead.wait(wait_s)
         return ahead is not None and ahead.formed()
+
+    def formed_ahead(self, ranks: list[int], generation: int) -> Any:
+        """The group formed ahead for ``ranks`` from ``generation``, for a collective of theirs before the change
+        that takes it (a join's averaging, ``engine/joins.py``); it stays to be taken. Waits for the forming thread
+        (it is formed on every member once formed on one: moments away)."""
+        with self._ahead_lock:
+            ahead = self._ahead.get((generation, tuple(ranks)))
+        if ahead is None:
+            raise RuntimeError(f"rank {self.rank} has no group of {ranks} formed ahead at generation {generation}")
+        return ahead.take()
 
     def _take_ahead(self, generation: int, survivors: list[int]) -> Ahead:
         with self._ahead_lock:
@@ -482,6 +495,9 @@ class Ahead:
 
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def wait(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
 
     def take(self) -> Any:
         """The group, once formed (every member formed it with the one that proposed taking it: moments away)."""

@@ -27,6 +27,11 @@ the default group can be in the next one, as torchft's replicas join at its next
    arrives while it computes its first step, and is loaded before that step's optimizer step. The new group is
    formed ahead too, once the admission is agreed (:meth:`Admissions._prepare`). The members stand still for the
    rebuild alone; the joining process starts one first part's transfer after them, not one whole state's.
+6. Where the admission step ends with an averaging of the whole model (local SGD's, :data:`ALIGN` steps at most
+   away), the joining process takes the model in it (:class:`InAveraging`): the members average over the group
+   formed ahead, the process adding nothing, and the first part carries only what was not averaged. A transfer
+   of the model after the averaging would hold the members up at their next one, where they wait for the new
+   process's first steps; inside it, it costs the averaging a third process in its ring.
 
 A join is a membership change like a loss: a member lost in the middle of one is survived as anywhere else
 (``engine/failures.py``), and the admission is redone by who is left. A joining process whose sender is lost before
@@ -62,10 +67,11 @@ from engine.optim import build_schedule
 from engine.state import LoopState
 
 POLL_S = 0.2  # how often a member looks for tickets
-MARGIN = 2  # steps a member may still train after it promised, before it waits for the admission step
+MARGIN = 3  # steps on that a member promises; it waits for the others' promises one step before its own
 ALIGN = 16  # steps further a promise may go to reach the sync algorithm's own agreement (local SGD's averaging)
 JOIN_FILE = "join.json"
 SEND_GRACE_S = 10.0  # how long a member that ends waits for a state it still sends
+FORM_WAIT_S = 5.0  # how long the averaging of an admission step waits for the group formed ahead (InAveraging)
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,9 @@ class Admissions:
         self._at = 0  # steps completed, as the main thread last said
         self._promise: int | None = None  # the step this rank will not pass before the next admission's is agreed
         self._watcher: StoreLoop | None = None
+        # generation -> the model's tensors (by name) the processes admitted took in the averaging of the admission
+        # step (:class:`InAveraging`), or None where it was tried and did not hold on every member
+        self.inline: dict[int, list[str] | None] = {}
 
     def key(self, name: str) -> str:
         return self.membership.key(f"join/{name}")
@@ -202,7 +211,9 @@ class Admissions:
 
     def due(self, step: int) -> dict[str, Any] | None:
         """At a step boundary, ``step`` steps completed: the admission to carry out now, if one is agreed for this
-        step. Waits (at most ``wait_s``) only at this rank's own promise, for the other members' promises."""
+        step. Waits (at most ``wait_s``) for the other members' promises only one step before its own, so that
+        every member knows the admission step before the step that ends there (whose averaging may admit:
+        :class:`InAveraging`)."""
         with self._lock:
             self._at, promise, round_ = step, self._promise, self.rounds + 1
         if promise is None:
@@ -210,7 +221,7 @@ class Admissions:
         m = self.membership
         if self.decision is None:
             keys = [self.key(f"{round_}/promise/{r}") for r in m.ranks]
-            if step < promise and not m.store.check(keys):
+            if step < promise - 1 and not m.store.check(keys):
                 return None
             m.store.wait(keys, datetime.timedelta(seconds=self.wait_s))
             at = max(int(value) for value in m.store.multi_get(keys))
@@ -228,15 +239,23 @@ class Admissions:
         learns of it from its ticket's ``ahead`` key and does the same), so that at the admission step nobody stands
         still for it (:meth:`Membership.prepare`)."""
         m = self.membership
-        ranks = sorted(set(m.ranks) | set(self.joiners(decision)))
-        for t in range(self.admitted + 1, decision["tickets"] + 1):
+        ranks = self.after(self.joiners(decision))
+        for t in self.tickets(decision):
             m.store.compare_set(self.key(f"ticket/{t}/ahead"), "", json.dumps([m.generation, ranks]))
         m.prepare(ranks, m.generation)
 
+    def after(self, joiners: dict[int, str]) -> list[int]:
+        """The ranks the admission of ``joiners`` makes."""
+        return sorted(set(self.membership.ranks) | set(joiners))
+
+    def tickets(self, decision: dict[str, Any]) -> range:
+        """The tickets ``decision`` admits."""
+        return range(self.admitted + 1, decision["tickets"] + 1)
+
     def joiners(self, decision: dict[str, Any]) -> dict[int, str]:
         """The ids admitted by ``decision``, each with its host (written with its ticket)."""
-        m, first = self.membership, self.admitted + 1
-        ids = {t: ticket_rank(m.initial_size, t) for t in range(first, decision["tickets"] + 1)}
+        m = self.membership
+        ids = {t: ticket_rank(m.initial_size, t) for t in self.tickets(decision)}
         return {r: m.store.get(self.key(f"ticket/{t}/host")).decode() for t, r in ids.items()}
 
     def announce(self, decision: dict[str, Any], joiners: dict[int, str]) -> dict[str, Any]:
@@ -244,8 +263,11 @@ class Admissions:
         m = self.membership
         record = {**m.view(), "added": joiners, "at": decision["at"], "rounds": self.rounds + 1}
         record["admitted"] = decision["tickets"]
-        record["ahead"] = m.ready(sorted(set(m.ranks) | set(joiners)))  # (formed here: formed on all of them)
-        for t in range(self.admitted + 1, decision["tickets"] + 1):
+        inline = self.inline.get(m.generation, False)
+        # (formed here: formed on all of them; not after a collective on it failed, where it may be broken)
+        record["ahead"] = m.ready(self.after(joiners)) and inline is not None
+        record["inline"] = bool(inline)  # (the processes admitted have the model's averaged tensors)
+        for t in self.tickets(decision):
             record = json.loads(m.store.compare_set(self.key(f"ticket/{t}/admission"), "", json.dumps(record)))
         return record
 
@@ -253,14 +275,63 @@ class Admissions:
         """An admission carried out (on the members, and on the process admitted by it, which watches from now)."""
         with self._lock:
             self.admitted, self.rounds = record["admitted"], record["rounds"]
-            self._promise, self.decision = None, None
+            self._promise, self.decision, self.inline = None, None, {}
+
+
+class InAveraging:
+    """The members' side of a join whose processes take their model in the averaging that ends at the admission
+    step (``SyncContext.guests``, local SGD's): one collective over the members and them, on the group formed
+    ahead for the admission, where each of them adds -0.0 (nothing, bit for bit) and divides by the members'
+    count, as the members do. Nothing then follows the averaging but the small rest of the state: a transfer of the
+    model after it would hold the members up at their next averaging, waiting for the new process's first steps.
+
+    Whether the processes take part is decided once for all (the first member to get here writes it, and each
+    ticket's ``inline`` key tells its process), and only where the group is formed (within :data:`FORM_WAIT_S`:
+    a process that asked and died never forms it, and is found lost at the admission). Whether it held is agreed on
+    the members' own group: where the collective failed on any of them, all of them average on their own group as
+    they would have, and the processes take the model from the sender; a member lost there is survived as in any
+    averaging (the guard redoes it, without the processes: the group formed ahead went with the change)."""
+
+    def __init__(self, admissions: Admissions, decision: dict[str, Any], comm: Any):
+        self.admissions, self.decision, self.comm = admissions, decision, comm
+
+    def sum(self, flat: torch.Tensor, names: list[str]) -> bool:
+        a, m = self.admissions, self.admissions.membership
+        ranks, generation = a.after(a.joiners(self.decision)), m.generation
+        offer = None
+        if m.backend == "gloo" and flat.device.type == "cpu" and m.ready(ranks, generation, FORM_WAIT_S):
+            offer = {"contributors": m.size, "names": names, "numel": flat.numel()}
+        key = a.key(f"{a.rounds + 1}/inline/{generation}")
+        decided = m.store.compare_set(key, "", json.dumps(offer)).decode()
+        for t in a.tickets(self.decision):
+            m.store.compare_set(a.key(f"ticket/{t}/inline/{generation}"), "", decided)
+        if json.loads(decided) is None:
+            return False
+        summed, held = flat.clone(), torch.ones(1)
+        try:
+            self.comm.all_reduce(summed, group=m.formed_ahead(ranks, generation))
+        except Exception as error:  # (a process admitted, or a member, gone: agreed on the members' group next)
+            print(f"relaxsync: rank {m.rank}: the averaging with the processes joining failed: {error}", flush=True)
+            held.zero_()
+        if self.comm.all_reduce(held).item() < m.size:  # (a member lost: survived here, as in any averaging)
+            a.inline[generation] = None
+            return False
+        flat.copy_(summed)
+        a.inline[generation] = names
+        return True
 
 
 class Request:
     """The joining process's side: its ticket, then the admission that names it."""
 
-    def __init__(self, membership: Membership, patience_s: float | None = None):
+    def __init__(
+        self,
+        membership: Membership,
+        patience_s: float | None = None,
+        averaging: Callable[[dict[str, Any], list[int], int], None] | None = None,
+    ):
         self.membership, self.patience_s = membership, patience_s
+        self.averaging = averaging  # takes part in the members' averaging (:class:`InAveraging`), where they ask
         self.ticket: int | None = None
         self.asked_at: float | None = None
 
@@ -280,18 +351,25 @@ class Request:
         """Wait for the admission that names this ticket; None if the run ended first."""
         m = self.membership
         key, ahead = self.key(f"ticket/{self.ticket}/admission"), self.key(f"ticket/{self.ticket}/ahead")
+        inline, poll_s = "", POLL_S / 2
         while True:
             if m.store.check([key]):
                 return json.loads(m.store.get(key))
             if ahead and m.store.check([ahead]):  # (the members know of the admission: its group forms meanwhile)
                 generation, ranks = json.loads(m.store.get(ahead))
                 m.prepare(ranks, generation)
-                ahead = ""
+                ahead, inline = "", self.key(f"ticket/{self.ticket}/inline/{generation}")
+                poll_s = POLL_S / 20  # (the members may wait for this process in their averaging)
+            if inline and m.store.check([inline]):
+                asked = json.loads(m.store.get(inline))
+                if asked is not None and self.averaging is not None:
+                    self.averaging(asked, ranks, generation)
+                inline = ""
             if m.store.check([self.key("closed")]):
                 return None
             if self.patience_s is not None and time.time() - self.asked_at > self.patience_s:
                 raise TimeoutError(f"ticket {self.ticket} was not admitted within {self.patience_s:.0f} s")
-            time.sleep(POLL_S / 2)
+            time.sleep(poll_s)
 
 
 class Host(Protocol):
@@ -320,6 +398,7 @@ class Host(Protocol):
     loop: Any  # engine.state.LoopState
 
     def settle(self) -> None: ...
+    def context(self, replicas_agree: bool = False) -> SyncContext: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_replica(self, state: dict[str, Any]) -> None: ...
 
@@ -333,6 +412,15 @@ class Joins:
         self.host = host
         self.sending: list[Sending] = []  # states still on their way to processes admitted
         self.awaiting: Callable[[], None] | None = None  # the part of its state a joining process still receives
+        self.averaged_at: int | None = None  # on a joining process: the generation whose averaging gave it its model
+
+    def guests(self, steps: int) -> InAveraging | None:
+        """For the averaging that completes ``steps`` steps (``SyncContext.guests``): the processes admitted there,
+        if any."""
+        decision = self.admissions.decision
+        if decision is None or decision["at"] != steps:
+            return None
+        return InAveraging(self.admissions, decision, self.host.comm)
 
     def start(self, step: int) -> None:
         self.admissions.start(step, self.host.run_dir)
@@ -381,7 +469,11 @@ class Joins:
             m.admit(list(joiners), joiners, ahead=ahead)
         group_s = lap()
         if m.rank == _source(m, joiners):
-            parcels = [Parcel.of(part) for part in split(state, host.sync.late_shared_state)]  # (copies)
+            parts = split(state, host.sync.late_shared_state)
+            if record["inline"]:  # (they have the averaged tensors: the rest of the model only)
+                averaged = set(admissions.inline[record["generation"]])
+                parts[0]["model"] = {k: v for k, v in parts[0]["model"].items() if k not in averaged}
+            parcels = [Parcel.of(part) for part in parts]  # (copies)
             self.sending = [s for s in self.sending if s.alive()]
             self.sending += [Sending(m, r, parcels).start() for r in joiners if r in m.ranks]
         pack_s = lap()
@@ -389,6 +481,7 @@ class Joins:
         admissions.done(record)
         event = {"event": "rank_joined", "ranks": sorted(joiners), "hosts": joiners, "world_size": m.size}
         event["formed_ahead"] = ahead  # (the new group was formed before the admission step)
+        event["in_averaging"] = record["inline"]  # (they took the model in the averaging of the admission step)
         took = {"settle_s": settle_s, "group_s": group_s, "pack_s": pack_s, "reshape_s": lap()}
         host.recorder.event({**event, "admission_s": clock[-1] - clock[0], **took}, epoch, host.run.step)
 
@@ -397,7 +490,7 @@ class Joins:
         as the members do. Leaves the run (``LeftRun``) if it ends first."""
         host = self.host
         warm_up(host)
-        request = Request(host.membership)
+        request = Request(host.membership, averaging=self._average)
         host.rank = host.membership.rank = host.checkpointer.rank = request.ask()
         host.guard.start()  # beating from now: once admitted, the members watch this process like any other
         print(f"relaxsync: rank {host.rank} asked to join the run in {host.run_dir}", flush=True)
@@ -415,10 +508,40 @@ class Joins:
             m.admit(list(joiners), joiners, ahead=record["ahead"])
         receiving = Receiving(m, _source(m, joiners))
         first = receiving.first()
+        if record["inline"]:  # the averaged tensors came in the members' averaging, the rest of the model here
+            if self.averaged_at != record["generation"]:
+                raise LeftRun(m.rank, "missed the averaging that was to give it the model")
+            first = {**first, "model": {**host.raw_model.state_dict(), **first["model"]}}
         host.load_replica(first)
         reshape(host, first, own=None)
         self.admissions.done(record)
         self.awaiting = partial(_complete, host, receiving.start())
+
+    def _average(self, asked: dict[str, Any], ranks: list[int], generation: int) -> None:
+        if take_average(self.host.membership, self.host.raw_model, asked, ranks, generation):
+            self.averaged_at = generation
+
+
+def take_average(membership: Membership, model: Any, asked: dict[str, Any], ranks: list[int], generation: int) -> bool:
+    """On a joining process, while it waits for its admission: its part in the members' averaging of the admission
+    step (:class:`InAveraging`, which ``asked`` it), adding -0.0 to their sum and taking its share as the tensors of
+    ``model`` it names. Returns whether the collective held here (the members agree whether it held on all of them,
+    and the admission says)."""
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    flat = torch.full((asked["numel"],), -0.0)
+    try:
+        dist.all_reduce(flat, group=membership.formed_ahead(ranks, generation))
+    except Exception as error:
+        print(f"relaxsync: rank {membership.rank}: the averaging that was to give it the model failed: {error}")
+        return False
+    flat.div_(asked["contributors"])
+    offset = 0
+    with torch.no_grad():
+        for name in asked["names"]:
+            t = tensors[name]
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+    return True
 
 
 def warm_up(host: Host) -> None:
@@ -563,7 +686,7 @@ def reshape(host: Host, state: dict[str, Any], own: dict[str, Any] | None) -> No
     host.schedule = build_schedule(host.cfg, len(host.data.train), m.size)
     host.sync = None  # (the old algorithm's hooks on the model, DDP's, go with it before the new one's)
     host.sync = instantiate(host.cfg["sync"])
-    host.sync.setup(host.raw_model, host.optimizer, SyncContext(host.comm, m, host.device, replicas_agree=True))
+    host.sync.setup(host.raw_model, host.optimizer, host.context(replicas_agree=True))
     if "sync" in state:  # (a joining process may take a late shared state later: split)
         host.sync.load_state_dict(state["sync"])
     if own is not None:

@@ -73,7 +73,7 @@ class Trainer:
         self.sync = instantiate(cfg["sync"])  # (and again where a join reshapes the run: engine/joins.py)
         self.loop = LoopState()
         if not self.joining:  # (a joining process sets up its algorithm and loaders once admitted: joins.reshape)
-            self.sync.setup(self.raw_model, self.optimizer, SyncContext(self.comm, self.membership, self.device))
+            self.sync.setup(self.raw_model, self.optimizer, self.context())
             if state is not None:
                 self.checkpointer.restore_sync(self.sync, state, self.device)
             self.loaders.build(self.membership.size, self.membership.index)
@@ -109,6 +109,11 @@ class Trainer:
             "world_size": self.membership.size,
             "loop": self.loop.state_dict(),
         }
+
+    def context(self, replicas_agree: bool = False) -> SyncContext:
+        """What the sync algorithm works with (here, and again where a join reshapes the run)."""
+        guests = (lambda steps: self.joins.guests(steps)) if self.cfg["trainer"]["on_failure"] == "continue" else None
+        return SyncContext(self.comm, self.membership, self.device, replicas_agree, guests)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Become the replica of a peer's :meth:`state_dict` (this rank's own algorithm state stays its own)."""

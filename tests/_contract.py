@@ -87,10 +87,14 @@ def case_dir(root: Path, case: tuple) -> Path:
 # Every option alone, and relaxed sync around the one that keeps replicas identical and the one that does not.
 JOIN_CASES = [(None, o, v) for o, v in ALONE] + [("relaxed", "allreduce", []), ("relaxed", "sgp", [])]
 JOIN_IDS = [_id(c) for c in JOIN_CASES]
-# 2 processes x 6 steps per epoch x 2 epochs; a third joins at step 2: the rest of epoch 1 and epoch 2 are sharded
-# over 3 (2 and 4 steps).
+# 2 processes x 6 steps per epoch x 2 epochs; a third joins a few steps in: the rest of epoch 1 and epoch 2 are
+# sharded over 3 (what is left split over 3 ranks, whole batches of 16 each, then 4 steps).
 JOIN_OVERRIDES = ["data.num_samples=192", "trainer.on_failure=continue", "trainer.hang_timeout_s=30"]
-JOIN_LAST_STEP = 8
+
+
+def join_last_step(at: int) -> int:
+    """The last step of a join case whose third process was admitted at step ``at``."""
+    return at + (192 - 32 * at) // 3 // 16 + 192 // 48
 
 
 def join_overrides(case: tuple) -> list[str]:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from algorithms.base import StepResult
+from algorithms.base import StepResult, SyncContext
 
 
 class CountingComm:
@@ -36,7 +36,7 @@ def set_up(algorithm, model: nn.Module | None = None) -> CountingComm:
     """``algorithm`` set up on a small BN model with SGD and a :class:`CountingComm`; returns the comm."""
     model = model or nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     comm = CountingComm()
-    ctx = SimpleNamespace(comm=comm, device=torch.device("cpu"), membership=None)
+    ctx = SyncContext(comm, None, torch.device("cpu"))
     algorithm.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), ctx)
     return comm
 

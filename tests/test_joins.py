@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _contract import JOIN_CASES, JOIN_IDS, JOIN_LAST_STEP, run_joins
+from _contract import JOIN_CASES, JOIN_IDS, join_last_step, run_joins
 from conftest import FAST, ROOT, node_environ, records
 from test_contract import _assert_same, _load
 from test_faults import cli, env, finish, start_nodes, tail, wait_for_train_steps
@@ -39,13 +39,16 @@ def test_a_join_ends_where_a_resume_at_the_new_size_ends(join_runs, case):
     )
     [join] = [r for r in records(joined_metrics, "event") if r["event"] == "rank_joined"]
     assert join["ranks"] == [2] and join["world_size"] == 3
+    # Local SGD admits at an averaging, and the new process takes the model in it (engine/joins.InAveraging).
+    assert join["in_averaging"] == (case[0] is None and case[1] in ("localsgd", "adaptive_localsgd"))
     at = join["step"]
-    assert 0 < at < JOIN_LAST_STEP
-    assert [r["step"] for r in records(joined_metrics, "train")] == list(range(JOIN_LAST_STEP))  # each step once
-    assert [r["world_size"] for r in records(joined_metrics, "train")] == [2] * at + [3] * (JOIN_LAST_STEP - at)
-    assert [r["step"] for r in records(resumed_metrics, "train")] == list(range(at, JOIN_LAST_STEP))
+    last = join_last_step(at)
+    assert 0 < at < 6  # (in epoch 1)
+    assert [r["step"] for r in records(joined_metrics, "train")] == list(range(last))  # each step once
+    assert [r["world_size"] for r in records(joined_metrics, "train")] == [2] * at + [3] * (last - at)
+    assert [r["step"] for r in records(resumed_metrics, "train")] == list(range(at, last))
     a, b = _load(joined / "checkpoints" / "last.pt"), _load(resumed / "checkpoints" / "last.pt")
-    assert a["step"] == b["step"] == JOIN_LAST_STEP and a["world_size"] == b["world_size"] == 3
+    assert a["step"] == b["step"] == last and a["world_size"] == b["world_size"] == 3
     for key in ("model", "optimizer", "sync", "schedule", "amp"):
         _assert_same(a[key], b[key], key)
     own = sorted(p.name for p in (joined / "checkpoints").glob("sync_rank*.pt"))
@@ -174,7 +177,7 @@ def test_a_promise_goes_to_the_algorithms_next_agreement_when_it_is_near():
     anywhere = Admissions(None, 1.0)
     assert anywhere.promise(10) == 10 + MARGIN
     every_4 = Admissions(None, 1.0, lambda n: -(-n // 4) * 4)
-    promises = [every_4.promise(at) for at in (9, 10, 11, 13)]
+    promises = [every_4.promise(at) for at in (8, 9, 10, 13)]
     assert promises == [12, 12, 16, 16] and all(p % 4 == 0 for p in promises)
     far = Admissions(None, 1.0, lambda n: n + ALIGN + 1)
     assert far.promise(10) == 10 + MARGIN
@@ -282,3 +285,91 @@ def test_an_admission_takes_the_group_its_members_and_the_new_process_formed_whi
     assert all(g["ahead"] for g in got), got
     assert [g["ranks"] for g in got] == [[0, 1, 2]] * 3 and [g["rank"] for g in got] == [0, 1, 2]
     assert all(g["sum"] == [3.0, 3.0] for g in got)
+
+
+def _join_in_averaging(role: int, port: int, out: str, joiner_dies: bool) -> None:
+    """Two members (roles 0, 1) step once a second and, at the step that ends where they admit the process that
+    asks (role 2), sum their models in an averaging it takes part in (``InAveraging``); each writes what it got.
+    With ``joiner_dies`` the process asked to take part exits instead."""
+    from distributed.comm import Communicator
+    from distributed.membership import Membership
+    from engine.joins import Admissions, InAveraging, Request, take_average
+
+    timeout = datetime.timedelta(seconds=30)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    torch.manual_seed(role)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.BatchNorm1d(3))
+    if role < 2:
+        m = Membership(role, 2, timeout=timeout, backend="gloo", prefix="in-averaging")
+        m._store = store
+        m.group = m.form([0, 1])
+        admissions, comm = Admissions(m, 30.0), Communicator(m)
+        admissions.start(0)
+        step, summed, held = 0, None, None
+        while True:
+            decision = admissions.due(step)
+            if decision is not None:
+                break
+            if admissions.decision is not None and admissions.decision["at"] == step + 1:  # the step ending there
+                named = list(model.named_parameters()) + list(model.named_buffers())[:2]
+                summed = torch.cat([t.detach().reshape(-1) for _, t in named])
+                held = InAveraging(admissions, admissions.decision, comm).sum(summed, [n for n, _ in named])
+                if not held:
+                    comm.all_reduce(summed)  # (as local SGD does: on the members' own group)
+            time.sleep(0.5)
+            step += 1
+        record = admissions.announce(decision, admissions.joiners(decision))
+        admissions.stop()
+        got = {"held": held, "summed": summed, "inline": record["inline"], "ahead": record["ahead"]}
+    else:
+        m = Membership(-1, 0, hosts=[], timeout=timeout, backend="gloo", prefix="in-averaging")
+        m.initial_size, m.group, m._store = 2, None, store
+
+        def average(asked, ranks, generation):
+            if joiner_dies:
+                os._exit(0)
+            got["took"] = take_average(m, model, asked, ranks, generation)
+
+        got = {}
+        request = Request(m, averaging=average)
+        m.rank = request.ask()
+        record = request.admission()
+        got.update(state=model.state_dict(), inline=record["inline"])
+    torch.save(got, f"{out}.{role}")
+    m.cancel_ahead()
+
+
+@pytest.mark.parametrize("joiner_dies", [False, True], ids=["held", "joiner-gone"])
+def test_a_process_admitted_at_an_averaging_takes_its_model_in_it_bit_for_bit(tmp_path, joiner_dies):
+    """The averaging that ends at the admission step runs over the members and the process they admit, on the group
+    formed ahead: it adds -0.0 (nothing, bit for bit) and takes the members' sum divided by their count, so it has
+    exactly the replica the members go on with, and nothing of the model comes after the averaging. Where that
+    collective fails (the process gone), the members agree so and sum on their own group, as without it, and the
+    admission says the process did not take the model there (nor takes the group, which may be broken)."""
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+    out = str(tmp_path / "role")
+    mp.start_processes(_join_in_averaging, args=(store.port, out, joiner_dies), nprocs=3, start_method="spawn")
+    members = [torch.load(f"{out}.{role}", weights_only=False) for role in (0, 1)]
+    models = []
+    for role in (0, 1):
+        torch.manual_seed(role)
+        models.append(torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.BatchNorm1d(3)))
+    named = [list(m.named_parameters()) + list(m.named_buffers())[:2] for m in models]
+    expected = torch.cat([t.detach().reshape(-1) for _, t in named[0]]) + torch.cat(
+        [t.detach().reshape(-1) for _, t in named[1]]
+    )
+    for got in members:
+        assert torch.equal(got["summed"], expected)  # the members' sum, with or without the process
+        assert got["held"] is not joiner_dies and got["inline"] is not joiner_dies
+    assert members[0]["ahead"] is not joiner_dies
+    if joiner_dies:
+        return
+    joiner = torch.load(f"{out}.2", weights_only=False)
+    assert joiner["took"] and joiner["inline"]
+    average, offset = expected / 2, 0
+    for name, t in named[0]:  # averaged: bit for bit the members' result
+        assert torch.equal(joiner["state"][name], average[offset : offset + t.numel()].view_as(t)), name
+        offset += t.numel()
+    assert joiner["state"]["1.num_batches_tracked"] == 0  # (not averaged: its own, until the state comes)

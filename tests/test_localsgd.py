@@ -105,7 +105,9 @@ def test_right_after_an_averaging_the_replicas_agree_without_another_exchange():
 
     sgd = LocalSGD(begin_step=0, k_steps=4)
     comm = set_up(sgd)
-    assert sgd.agreement_at(3) == 3  # (synchronous still: any step)
+    # Before the first local step: the first averaging, k steps after begin_step (synchronous until then: any step).
+    assert sgd.agreement_at(0) == 0 and sgd.agreement_at(3) == 4
+    assert [LocalSGD(begin_step=2, k_steps=4).agreement_at(n) for n in (1, 2, 3, 7)] == [1, 2, 6, 10]
     for index in range(4):  # the fourth step completed averages
         step(sgd, index)
     assert comm.calls == ["all_reduce"]
