@@ -307,7 +307,7 @@ class InAveraging:
             m.store.compare_set(a.key(f"ticket/{t}/inline/{generation}"), "", decided)
         if json.loads(decided) is None:
             return False
-        summed, held = flat.clone(), torch.ones(1)
+        summed, held = flat.clone(), torch.ones(1, device=flat.device)
         try:
             self.comm.all_reduce(summed, group=m.formed_ahead(ranks, generation))
         except Exception as error:  # (a process admitted, or a member, gone: agreed on the members' group next)
@@ -528,7 +528,7 @@ def take_average(membership: Membership, model: Any, asked: dict[str, Any], rank
     ``model`` it names. Returns whether the collective held here (the members agree whether it held on all of them,
     and the admission says)."""
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    flat = torch.full((asked["numel"],), -0.0)
+    flat = torch.full((asked["numel"],), -0.0, device=torch.device("cpu"))  # (asked only where it is on the CPU)
     try:
         dist.all_reduce(flat, group=membership.formed_ahead(ranks, generation))
     except Exception as error:
