@@ -186,7 +186,7 @@ def test_a_promise_goes_to_the_algorithms_next_agreement_when_it_is_near():
 def test_the_state_comes_in_the_order_a_joining_process_needs_it():
     """The model and everything read before the first forward come first; the optimizer's state (and a shared
     state read only at a step, DiLoCo's) second, loaded at the first optimizer step."""
-    from engine.joins import split
+    from engine.handover import split
 
     state = {"model": 1, "optimizer": 2, "amp": 3, "schedule": 4, "sync": 5, "step": 6, "loop": 7}
     first, rest = split(state, late_shared_state=False)
@@ -201,7 +201,7 @@ def _sender_lost_midway(rank: int, port: int, out: str) -> None:
     it got and how it left."""
     from distributed.membership import LeftRun, Membership
     from distributed.transfer import Parcel, Pipe
-    from engine.joins import Receiving, pipe_store
+    from engine.handover import Receiving, pipe_store
 
     timeout = datetime.timedelta(seconds=30)
     membership = Membership(rank, 2, timeout=timeout, backend="gloo", prefix="test")
