@@ -116,9 +116,11 @@ class SyncContext:
 class Guests(Protocol):
     """Processes that join at an averaging's step and take the model from it (``SyncContext.guests``)."""
 
-    def sum(self, flat: torch.Tensor, names: list[str]) -> bool:
-        """Sum ``flat`` (the members' tensors named ``names``, in order, then scalars of their own) in place over
-        the members and the guests; False, with ``flat`` as it was, where the members sum it without them."""
+    def sum(self, flat: torch.Tensor, names: list[str], ahead: bool = False) -> bool:
+        """Sum ``flat`` in place over the members and the guests, from which each guest sets the model's tensors
+        named ``names`` (:meth:`SyncAlgorithm.take_share`); False, with ``flat`` as it was, where the members sum it
+        without them. ``ahead``: the guests need the state :meth:`SyncAlgorithm.guest_state` gives, sent to them
+        before this step, and take part only where it arrived."""
         ...
 
 
@@ -218,6 +220,24 @@ class SyncAlgorithm:
         no averaging, and no waiting for each other: they have just exchanged). Default: any step."""
         return steps
 
+    def guest_state(self, at: int, steps: int) -> dict[str, Any] | None:
+        """The shared state a process admitted at ``at`` steps needs before it takes part in the averaging there
+        (``Guests.sum(ahead=True)``), once ``steps`` steps completed have made it final: the joining process
+        receives it while the members train. None: none is needed (the default), or not final yet."""
+        return None
+
+    def take_share(self, model: nn.Module, summed: torch.Tensor, asked: dict[str, Any], state: Any) -> None:
+        """On a process joining (this algorithm not set up): set ``model``'s tensors named ``asked["names"]`` from
+        ``summed``, the sum over the members of what they averaged, where it took part adding nothing (``state``:
+        what :meth:`guest_state` gave, if anything). Default: the average, tensor by tensor (local SGD's)."""
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        average, offset = summed / asked["contributors"], 0
+        with torch.no_grad():
+            for name in asked["names"]:
+                t = tensors[name]
+                t.copy_(average[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
     def state_dict(self) -> dict[str, Any]:
         """State identical on every rank (saved once)."""
         return {}
@@ -296,6 +316,12 @@ class Wrapper(SyncAlgorithm):
 
     def agreement_at(self, steps: int) -> int:
         return self.inner.agreement_at(steps)
+
+    def guest_state(self, at: int, steps: int) -> dict[str, Any] | None:
+        return self.inner.guest_state(at, steps)
+
+    def take_share(self, model: nn.Module, summed: torch.Tensor, asked: dict[str, Any], state: Any) -> None:
+        self.inner.take_share(model, summed, asked, state)
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict()}

@@ -150,7 +150,7 @@ class DiLoCo(Replicas):
         self._agreed = False
         fragment = fragment_due(step, self.inner_steps, self.fragments)
         if fragment is not None:
-            self._in_flight.append(FragmentSync(step + self.delay, fragment, self._start(fragment)))
+            self._in_flight.append(FragmentSync(step + self.delay, fragment, self._start(fragment, step + 1)))
             metrics["outer_fragment"] = fragment
         while self._in_flight and self._in_flight[0].due <= step:
             norm = self._apply(self._in_flight[0])  # (left in flight if it fails: dropped after the regroup)
@@ -184,11 +184,18 @@ class DiLoCo(Replicas):
             self._in_flight.popleft()
 
     # ---- one fragment's outer step ---------------------------------------------------------------------------
-    def _start(self, fragment: int) -> Pending:
-        """Issue the exchange of this rank's pseudo-gradient for ``fragment``."""
+    def _start(self, fragment: int, steps: int) -> Pending:
+        """Issue the exchange of this rank's pseudo-gradient for ``fragment`` (at ``steps`` steps completed). A
+        whole outer step where processes join (``ctx.guests``) is summed with them, at once: they add nothing, and
+        take the outer step with the outer state sent to them before it (:meth:`guest_state`, :meth:`take_share`)."""
         lo, hi = self.ranges[fragment]
         delta = self.global_params[lo:hi] - self.read_range(lo, hi).float()
         comm = self.ctx.comm
+        guests = self.ctx.guests(steps) if self.ctx.guests is not None and self._whole else None
+        if guests is not None and self.quantize == "none":
+            names = [name for name, _ in self.model.named_parameters()]
+            if guests.sum(delta, names, ahead=True):
+                return Pending(comm, [], delta)
         if self.quantize == "int8":
             return comm.all_gather_async(quantize_int8(delta, self.quant_block))
         if self.quantize == "fp16":
@@ -208,18 +215,40 @@ class DiLoCo(Replicas):
             delta = sum(dequantize_int8(packed, hi - lo, self.quant_block) for packed in result) / n
         else:
             delta = result.float() / n
-        momentum = self.momentum[lo:hi]
+        theta = self._outer_step(self.global_params[lo:hi], self.momentum[lo:hi], delta)
+        local = self.read_range(lo, hi)
+        self.write_range(lo, hi, local.mul_(self.alpha).add_(theta, alpha=1.0 - self.alpha) if self.alpha else theta)
+        return float(delta.norm())
+
+    def _outer_step(self, theta: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The outer optimizer's step, in place on ``theta`` (returned) and ``momentum``, from the averaged
+        pseudo-gradient ``delta`` (the members' and a joining process's, alike: :meth:`take_share`)."""
         if self.outer_momentum:
             momentum.mul_(self.outer_momentum).add_(delta)
             # (torch.optim.SGD's own operations, so it rounds as an outer SGD optimizer does, torchft's among them)
             update = delta.add(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
         else:
             update = delta
-        theta = self.global_params[lo:hi]
-        theta.sub_(update, alpha=self.outer_lr)
-        local = self.read_range(lo, hi)
-        self.write_range(lo, hi, local.mul_(self.alpha).add_(theta, alpha=1.0 - self.alpha) if self.alpha else theta)
-        return float(delta.norm())
+        return theta.sub_(update, alpha=self.outer_lr)
+
+    # ---- a process joining at a whole outer step (engine/joins.py) ---------------------------------------------
+    def guest_state(self, at: int, steps: int) -> dict[str, Any] | None:
+        """The outer parameters and momentum, final from the outer step before ``at`` on (they change at outer
+        steps only); copies, sent while the members train. None before that step, or where the outer step at
+        ``at`` is not whole (no process takes part in it)."""
+        if not self._whole or at % self.inner_steps or steps < at - self.inner_steps:
+            return None
+        return {"global_params": self.global_params.clone(), "momentum": self.momentum.clone()}
+
+    def take_share(self, model: nn.Module, summed: torch.Tensor, asked: dict[str, Any], state: Any) -> None:
+        """The outer step the members take, from their summed pseudo-gradient and the outer state before it
+        (``state``, :meth:`guest_state`'s): the model's parameters become the new outer parameters, theirs."""
+        theta = self._outer_step(state["global_params"], state["momentum"], summed.float() / asked["contributors"])
+        offset = 0
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(theta[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
 
     # ---- state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -23,11 +23,21 @@ def split(state: dict[str, Any], late_shared_state: bool) -> list[dict[str, Any]
     return [{k: v for k, v in state.items() if k not in late}, {k: v for k, v in state.items() if k in late}]
 
 
-def pipe_store(membership: Membership, source: int, joiner: int) -> dist.Store:
+def pipe_store(membership: Membership, source: int, joiner: int, ahead: int | None = None) -> dist.Store:
     """Where the lowest member and a process it admits meet for the state (a connection to the store of its own:
-    the sender's thread never waits behind the main thread's store calls)."""
-    key = membership.key(f"join/pipe/{membership.generation}/{source}-{joiner}/")
+    the sender's thread never waits behind the main thread's store calls); ``ahead``: for the state sent before
+    the admission (:func:`receive_ahead`), in the members' generation then."""
+    at = membership.generation if ahead is None else f"ahead-{ahead}"
+    key = membership.key(f"join/pipe/{at}/{source}-{joiner}/")
     return dist.PrefixStore(key, membership.store.clone())
+
+
+def receive_ahead(membership: Membership, source: int, generation: int) -> Any:
+    """On a joining process before its admission: the state the lowest member sends ahead of it
+    (``SyncAlgorithm.guest_state``, a :class:`Sending` with ``ahead``), members in ``generation``."""
+    timeout = membership.timeout or datetime.timedelta(seconds=300)
+    pipe = Pipe(pipe_store(membership, source, membership.rank, generation), membership.rank, source, timeout)
+    return Parcel.receive(pipe)
 
 
 class Sending:
@@ -35,9 +45,9 @@ class Sending:
     sent in order from a thread, over a :class:`Pipe` of the two, while this member trains. A failure is not this
     member's to handle: the process it sent to is gone (the members find it lost as any other)."""
 
-    def __init__(self, membership: Membership, joiner: int, parcels: list[Parcel]):
+    def __init__(self, membership: Membership, joiner: int, parcels: list[Parcel], ahead: bool = False):
         self.joiner, self.parcels, self.error = joiner, parcels, None
-        self._store = pipe_store(membership, membership.rank, joiner)
+        self._store = pipe_store(membership, membership.rank, joiner, membership.generation if ahead else None)
         self._args = (membership.rank, membership.timeout or datetime.timedelta(seconds=300))
         self._thread = threading.Thread(target=self._send, name="relaxsync-join-send", daemon=True)
 

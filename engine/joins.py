@@ -31,7 +31,9 @@ the default group can be in the next one, as torchft's replicas join at its next
    away), the joining process takes the model in it (:class:`InAveraging`): the members average over the group
    formed ahead, the process adding nothing, and the first part carries only what was not averaged. A transfer
    of the model after the averaging would hold the members up at their next one, where they wait for the new
-   process's first steps; inside it, it costs the averaging a third process in its ring.
+   process's first steps; inside it, it costs the averaging a third process in its ring. Where the averaging
+   needs a state the process lacks (DiLoCo's whole outer step: the outer parameters and momentum, to take the
+   outer step itself), the lowest member sends it ahead, once it is final (:meth:`Joins.send_ahead`).
 
 A join is a membership change like a loss: a member lost in the middle of one is survived as anywhere else
 (``engine/failures.py``), and the admission is redone by who is left. A joining process whose sender is lost before
@@ -63,7 +65,7 @@ from distributed.transfer import Parcel
 from distributed.world import init_distributed, nccl_environment
 from engine.failures import Phase
 from engine.guard import Site, training_membership
-from engine.handover import Receiving, Sending, split
+from engine.handover import Receiving, Sending, receive_ahead, split
 from engine.optim import build_schedule
 from engine.state import LoopState
 
@@ -253,6 +255,21 @@ class Admissions:
         """The tickets ``decision`` admits."""
         return range(self.admitted + 1, decision["tickets"] + 1)
 
+    def prepared(self, decision: dict[str, Any], generation: int, wait_s: float) -> bool:
+        """Whether every process ``decision`` admits has the state the lowest member sent it ahead of the admission
+        in ``generation`` (:meth:`Joins.send_ahead`); waits up to ``wait_s`` for it."""
+        m, deadline = self.membership, time.monotonic() + wait_s
+        sent = self.key(f"{self.rounds + 1}/ahead")
+        keys = [self.key(f"ticket/{t}/prepared/{generation}") for t in self.tickets(decision)]
+        try:
+            m.store.wait([sent], datetime.timedelta(seconds=wait_s))
+            if int(m.store.get(sent)) != generation:  # (sent before a loss: perhaps not the state of this step)
+                return False
+            m.store.wait(keys, datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except dist.DistError:
+            return False
+        return True
+
     def joiners(self, decision: dict[str, Any]) -> dict[int, str]:
         """The ids admitted by ``decision``, each with its host (written with its ticket)."""
         m = self.membership
@@ -288,7 +305,9 @@ class InAveraging:
 
     Whether the processes take part is decided once for all (the first member to get here writes it, and each
     ticket's ``inline`` key tells its process), and only where the group is formed (within :data:`FORM_WAIT_S`:
-    a process that asked and died never forms it, and is found lost at the admission). Whether it held is agreed on
+    a process that asked and died never forms it, and is found lost at the admission) and, where the processes need
+    a state before it (``ahead``: DiLoCo's outer state, to take the outer step themselves), where they have it
+    (:meth:`Joins.send_ahead`). Whether it held is agreed on
     the members' own group: where the collective failed on any of them, all of them average on their own group as
     they would have, and the processes take the model from the sender; a member lost there is survived as in any
     averaging (the guard redoes it, without the processes: the group formed ahead went with the change)."""
@@ -296,14 +315,18 @@ class InAveraging:
     def __init__(self, admissions: Admissions, decision: dict[str, Any], comm: Any):
         self.admissions, self.decision, self.comm = admissions, decision, comm
 
-    def sum(self, flat: torch.Tensor, names: list[str]) -> bool:
+    def sum(self, flat: torch.Tensor, names: list[str], ahead: bool = False) -> bool:
         a, m = self.admissions, self.admissions.membership
         ranks, generation = a.after(a.joiners(self.decision)), m.generation
-        offer = None
-        if m.backend == "gloo" and flat.device.type == "cpu" and m.ready(ranks, generation, FORM_WAIT_S):
-            offer = {"contributors": m.size, "names": names, "numel": flat.numel()}
         key = a.key(f"{a.rounds + 1}/inline/{generation}")
-        decided = m.store.compare_set(key, "", json.dumps(offer)).decode()
+        if m.store.check([key]):  # (decided: no waiting again for what the first member waited for)
+            decided = m.store.get(key).decode()
+        else:
+            offer = None
+            if m.backend == "gloo" and flat.device.type == "cpu" and m.ready(ranks, generation, FORM_WAIT_S):
+                if not ahead or a.prepared(self.decision, generation, FORM_WAIT_S):
+                    offer = {"contributors": m.size, "names": names, "numel": flat.numel(), "ahead": ahead}
+            decided = m.store.compare_set(key, "", json.dumps(offer)).decode()
         for t in a.tickets(self.decision):
             m.store.compare_set(a.key(f"ticket/{t}/inline/{generation}"), "", decided)
         if json.loads(decided) is None:
@@ -330,9 +353,11 @@ class Request:
         membership: Membership,
         patience_s: float | None = None,
         averaging: Callable[[dict[str, Any], list[int], int], None] | None = None,
+        receive: Callable[[int, int], bool] | None = None,
     ):
         self.membership, self.patience_s = membership, patience_s
         self.averaging = averaging  # takes part in the members' averaging (:class:`InAveraging`), where they ask
+        self.receive = receive  # takes the state sent ahead by (source, generation); returns whether it did
         self.ticket: int | None = None
         self.asked_at: float | None = None
 
@@ -352,7 +377,7 @@ class Request:
         """Wait for the admission that names this ticket; None if the run ended first."""
         m = self.membership
         key, ahead = self.key(f"ticket/{self.ticket}/admission"), self.key(f"ticket/{self.ticket}/ahead")
-        inline, poll_s = "", POLL_S / 2
+        inline, sent, poll_s = "", "", POLL_S / 2
         while True:
             if m.store.check([key]):
                 return json.loads(m.store.get(key))
@@ -360,7 +385,12 @@ class Request:
                 generation, ranks = json.loads(m.store.get(ahead))
                 m.prepare(ranks, generation)
                 ahead, inline = "", self.key(f"ticket/{self.ticket}/inline/{generation}")
+                sent = self.key(f"ticket/{self.ticket}/state/{generation}") if self.receive is not None else ""
                 poll_s = POLL_S / 20  # (the members may wait for this process in their averaging)
+            if sent and m.store.check([sent]):  # (a state it needs before that averaging: taken while they train)
+                if self.receive(int(m.store.get(sent)), generation):
+                    m.store.set(self.key(f"ticket/{self.ticket}/prepared/{generation}"), "1")
+                sent = ""
             if inline and m.store.check([inline]):
                 asked = json.loads(m.store.get(inline))
                 if asked is not None and self.averaging is not None:
@@ -414,6 +444,8 @@ class Joins:
         self.sending: list[Sending] = []  # states still on their way to processes admitted
         self.awaiting: Callable[[], None] | None = None  # the part of its state a joining process still receives
         self.averaged_at: int | None = None  # on a joining process: the generation whose averaging gave it its model
+        self.ahead: dict[int, Any] = {}  # on a joining process: the state sent ahead of its admission, by generation
+        self.sent_ahead = 0  # on a member: the last admission round it sent (or skipped sending) a state ahead for
 
     def guests(self, steps: int) -> InAveraging | None:
         """For the averaging that completes ``steps`` steps (``SyncContext.guests``): the processes admitted there,
@@ -445,6 +477,7 @@ class Joins:
             return False
         decision = host.guard.run(Phase.JOIN, partial(self.admissions.due, host.run.step), epoch, site)
         if decision is None:
+            self.send_ahead()
             return False
         host.guard.run(Phase.JOIN, partial(self.admit, decision, epoch), epoch, site)
         return True
@@ -491,7 +524,7 @@ class Joins:
         as the members do. Leaves the run (``LeftRun``) if it ends first."""
         host = self.host
         warm_up(host)
-        request = Request(host.membership, averaging=self._average)
+        request = Request(host.membership, averaging=self._average, receive=self._receive_ahead)
         host.rank = host.membership.rank = host.checkpointer.rank = request.ask()
         host.guard.start()  # beating from now: once admitted, the members watch this process like any other
         print(f"relaxsync: rank {host.rank} asked to join the run in {host.run_dir}", flush=True)
@@ -513,35 +546,65 @@ class Joins:
             if self.averaged_at != record["generation"]:
                 raise LeftRun(m.rank, "missed the averaging that was to give it the model")
             first = {**first, "model": {**host.raw_model.state_dict(), **first["model"]}}
+        self.ahead.clear()
         host.load_replica(first)
         reshape(host, first, own=None)
         self.admissions.done(record)
         self.awaiting = partial(_complete, host, receiving.start())
 
     def _average(self, asked: dict[str, Any], ranks: list[int], generation: int) -> None:
-        if take_average(self.host.membership, self.host.raw_model, asked, ranks, generation):
+        host, state = self.host, self.ahead.get(generation)
+        if asked.get("ahead") and state is None:  # (not asked without it: the members wait for it to be here)
+            raise RuntimeError(f"rank {host.rank} was asked into an averaging without the state sent ahead of it")
+        share = partial(host.sync.take_share, host.raw_model, asked=asked, state=state)
+        if take_average(host.membership, asked, ranks, generation, share):
             self.averaged_at = generation
 
+    def _receive_ahead(self, source: int, generation: int) -> bool:
+        """On a joining process: the state its sender sends before the admission step (:meth:`send_ahead`)."""
+        m = self.host.membership
+        try:
+            self.ahead[generation] = receive_ahead(m, source, generation)
+        except Exception as error:  # (its sender lost: the members do without it, and find the sender lost)
+            print(f"relaxsync: rank {m.rank}: the state sent ahead of the admission did not come: {error}", flush=True)
+            return False
+        return True
 
-def take_average(membership: Membership, model: Any, asked: dict[str, Any], ranks: list[int], generation: int) -> bool:
+    def send_ahead(self) -> None:
+        """On the lowest member, once an admission is agreed: the state the processes it admits need before the
+        averaging of the admission step (``SyncAlgorithm.guest_state``: DiLoCo's outer state, final from the outer
+        step before), sent from a thread once it is final, while everyone trains; once per admission."""
+        a, host = self.admissions, self.host
+        decision, m, round_ = a.decision, host.membership, a.rounds + 1
+        if decision is None or self.sent_ahead == round_ or m.backend != "gloo":  # (InAveraging's only)
+            return
+        state = host.sync.guest_state(decision["at"], host.run.step)
+        if state is None:
+            return
+        self.sent_ahead, joiners = round_, a.joiners(decision)
+        if m.rank != _source(m, joiners):
+            return
+        parcel = Parcel.of(state)
+        self.sending += [Sending(m, r, [parcel], ahead=True).start() for r in joiners]
+        for t in a.tickets(decision):
+            m.store.set(a.key(f"ticket/{t}/state/{m.generation}"), str(m.rank))
+        m.store.set(a.key(f"{round_}/ahead"), str(m.generation))
+
+
+def take_average(
+    membership: Membership, asked: dict[str, Any], ranks: list[int], generation: int, share: Callable[..., None]
+) -> bool:
     """On a joining process, while it waits for its admission: its part in the members' averaging of the admission
-    step (:class:`InAveraging`, which ``asked`` it), adding -0.0 to their sum and taking its share as the tensors of
-    ``model`` it names. Returns whether the collective held here (the members agree whether it held on all of them,
-    and the admission says)."""
-    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    step (:class:`InAveraging`, which ``asked`` it), adding -0.0 to their sum; ``share`` sets the model from the sum
+    (``SyncAlgorithm.take_share``). Returns whether the collective held here (the members agree whether it held on
+    all of them, and the admission says)."""
     flat = torch.full((asked["numel"],), -0.0, device=torch.device("cpu"))  # (asked only where it is on the CPU)
     try:
         dist.all_reduce(flat, group=membership.formed_ahead(ranks, generation))
     except Exception as error:
         print(f"relaxsync: rank {membership.rank}: the averaging that was to give it the model failed: {error}")
         return False
-    flat.div_(asked["contributors"])
-    offset = 0
-    with torch.no_grad():
-        for name in asked["names"]:
-            t = tensors[name]
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+    share(flat)
     return True
 
 

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,10 @@ def test_a_join_ends_where_a_resume_at_the_new_size_ends(join_runs, case):
     )
     [join] = [r for r in records(joined_metrics, "event") if r["event"] == "rank_joined"]
     assert join["ranks"] == [2] and join["world_size"] == 3
-    # Local SGD admits at an averaging, and the new process takes the model in it (engine/joins.InAveraging).
-    assert join["in_averaging"] == (case[0] is None and case[1] in ("localsgd", "adaptive_localsgd"))
+    # Local SGD admits at an averaging, and the new process takes the model in it (engine/joins.InAveraging);
+    # DiLoCo's whole outer step too: the new process takes the outer step with the outer state sent ahead of it.
+    whole = case[1] == "diloco" and not case[2]  # (one fragment, no delay, no mixing, no quantization)
+    assert join["in_averaging"] == (case[0] is None and (case[1] in ("localsgd", "adaptive_localsgd") or whole))
     at = join["step"]
     last = join_last_step(at)
     assert 0 < at < 6  # (in epoch 1)
@@ -183,6 +186,47 @@ def test_a_promise_goes_to_the_algorithms_next_agreement_when_it_is_near():
     assert far.promise(10) == 10 + MARGIN
 
 
+def test_diloco_sends_its_outer_state_ahead_only_once_it_is_final_and_only_for_a_whole_outer_step():
+    """What a process joining at DiLoCo's outer step needs before it (``guest_state``): the outer parameters and
+    momentum, which change at outer steps only, so final once the outer step before the admission's is taken;
+    copies (the members go on changing theirs). None for an admission that is not at an outer step, or where the
+    outer step is not whole (fragments, delay, mixing: no process takes part in it)."""
+    from algorithms.diloco import DiLoCo
+
+    def diloco(**kw):
+        algorithm = DiLoCo(inner_steps=4, **kw)
+        algorithm.setup(torch.nn.Linear(3, 2), None, ctx=None)
+        return algorithm
+
+    whole = diloco()
+    assert whole.guest_state(8, 3) is None  # (the outer step at 4 steps is still to come)
+    state = whole.guest_state(8, 4)
+    assert torch.equal(state["global_params"], whole.global_params) and torch.equal(state["momentum"], whole.momentum)
+    assert state["global_params"].data_ptr() != whole.global_params.data_ptr()
+    assert whole.guest_state(10, 8) is None  # (no outer step at 10)
+    assert diloco(fragments=2).guest_state(8, 4) is None and diloco(alpha=0.5).guest_state(8, 4) is None
+
+
+def test_the_members_take_a_joining_process_into_their_averaging_only_with_the_state_sent_ahead_of_it():
+    """``Admissions.prepared``: the lowest member says in which generation it sent the state ahead, each process
+    admitted says it has it; the members offer the averaging only where both hold for the generation they are in
+    (a state sent before a loss may not be the one of the admission step), within the wait."""
+    from distributed.membership import Membership
+    from engine.joins import Admissions
+
+    m = Membership(0, 2, timeout=datetime.timedelta(seconds=5), backend="gloo", prefix="prepared")
+    m._store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5))
+    admissions, decision = Admissions(m, 5.0), {"at": 8, "tickets": 2}  # (tickets 1 and 2)
+    assert not admissions.prepared(decision, 0, 0.1)  # nothing sent
+    m.store.set(admissions.key("1/ahead"), "1")
+    assert not admissions.prepared(decision, 0, 0.1)  # sent in another generation
+    m.store.set(admissions.key("1/ahead"), "0")
+    m.store.set(admissions.key("ticket/1/prepared/0"), "1")
+    assert not admissions.prepared(decision, 0, 0.1)  # ticket 2 does not have it yet
+    m.store.set(admissions.key("ticket/2/prepared/0"), "1")
+    assert admissions.prepared(decision, 0, 0.1)
+
+
 def test_the_state_comes_in_the_order_a_joining_process_needs_it():
     """The model and everything read before the first forward come first; the optimizer's state (and a shared
     state read only at a step, DiLoCo's) second, loaded at the first optimizer step."""
@@ -291,6 +335,7 @@ def _join_in_averaging(role: int, port: int, out: str, joiner_dies: bool) -> Non
     """Two members (roles 0, 1) step once a second and, at the step that ends where they admit the process that
     asks (role 2), sum their models in an averaging it takes part in (``InAveraging``); each writes what it got.
     With ``joiner_dies`` the process asked to take part exits instead."""
+    from algorithms.none import NoSync
     from distributed.comm import Communicator
     from distributed.membership import Membership
     from engine.joins import Admissions, InAveraging, Request, take_average
@@ -328,7 +373,8 @@ def _join_in_averaging(role: int, port: int, out: str, joiner_dies: bool) -> Non
         def average(asked, ranks, generation):
             if joiner_dies:
                 os._exit(0)
-            got["took"] = take_average(m, model, asked, ranks, generation)
+            share = partial(NoSync().take_share, model, asked=asked, state=None)  # (an average, by name)
+            got["took"] = take_average(m, asked, ranks, generation, share)
 
         got = {}
         request = Request(m, averaging=average)
