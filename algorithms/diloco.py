@@ -234,11 +234,11 @@ class DiLoCo(Replicas):
     # ---- a process joining at a whole outer step (engine/joins.py) ---------------------------------------------
     def guest_state(self, at: int, steps: int) -> dict[str, Any] | None:
         """The outer parameters and momentum, final from the outer step before ``at`` on (they change at outer
-        steps only); copies, sent while the members train. None before that step, or where the outer step at
-        ``at`` is not whole (no process takes part in it)."""
+        steps only; the sender packs copies). None before that step, or where the outer step at ``at`` is not
+        whole (no process takes part in it)."""
         if not self._whole or at % self.inner_steps or steps < at - self.inner_steps:
             return None
-        return {"global_params": self.global_params.clone(), "momentum": self.momentum.clone()}
+        return {"global_params": self.global_params, "momentum": self.momentum}
 
     def take_share(self, model: nn.Module, summed: torch.Tensor, asked: dict[str, Any], state: Any) -> None:
         """The outer step the members take, from their summed pseudo-gradient and the outer state before it
