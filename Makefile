@@ -29,7 +29,7 @@ peers: $(PEERS_STAMP) ## install the peers extra (torchft) into .venv: what benc
 train: $(STAMP) ## train ResNet-50 on digits with 2 processes (W&B offline); extra overrides: ARGS="..."
 	$(PY) train.py $(ARGS)
 
-test: $(STAMP) ## run the test suite (CPU, gloo; what CI runs, ~7 min on 2 cores)
+test: $(STAMP) ## run the test suite (CPU, gloo; what CI runs, ~12 min on 2 cores)
 	$(PY) -m pytest -q -m "not full" $(ARGS)
 
 test-full: $(STAMP) ## the test suite plus the slow tests marked full (~16 min on 2 cores)
