@@ -28,7 +28,8 @@ class NoStraggler:
 
 
 class SleepStraggler(NoStraggler):
-    """``straggler=sleep``: ranks in ``ranks`` (default: the last) sleep from epoch ``start_epoch`` on (from 1), either
+    """``straggler=sleep``: ranks in ``ranks`` (default: the last; ``all``: every rank, one that joins later too, as
+    device time each step spends with the cores free) sleep from epoch ``start_epoch`` on (from 1), either
     ``(slowdown - 1)`` times their normal compute time or a fixed ``sleep_s``, so a slowed step takes
     ``slowdown`` times as long as a normal one.
 
@@ -40,7 +41,11 @@ class SleepStraggler(NoStraggler):
     """
 
     def __init__(
-        self, ranks: list[int] | None = None, start_epoch: int = 2, slowdown: float = 5.0, sleep_s: float | None = None
+        self,
+        ranks: list[int] | str | None = None,
+        start_epoch: int = 2,
+        slowdown: float = 5.0,
+        sleep_s: float | None = None,
     ):
         self.ranks, self.start_epoch, self.slowdown, self.sleep_s = ranks, start_epoch, slowdown, sleep_s
         self._normal: list[float] = []  # compute times of normal steps
@@ -52,10 +57,11 @@ class SleepStraggler(NoStraggler):
         ranks = section["ranks"]
         require(
             ranks is None
+            or ranks == "all"
             or (isinstance(ranks, list) and bool(ranks) and all(is_int(r) and 0 <= r < world_size for r in ranks)),
             "straggler.ranks",
             ranks,
-            f"null or a non-empty list of ranks in [0, {world_size - 1}]",
+            f"null, all, or a non-empty list of ranks in [0, {world_size - 1}]",
         )
         e, f, s = section["start_epoch"], section["slowdown"], section["sleep_s"]
         require(is_int(e) and e >= 1, "straggler.start_epoch", e, "an epoch >= 1 (epochs count from 1)")
@@ -64,7 +70,7 @@ class SleepStraggler(NoStraggler):
 
     def slowed(self, epoch: int, rank: int, world_size: int) -> bool:
         ranks = self.ranks if self.ranks is not None else [world_size - 1]
-        return rank in ranks and epoch >= self.start_epoch
+        return (ranks == "all" or rank in ranks) and epoch >= self.start_epoch
 
     def delay(self, epoch: int, rank: int, world_size: int) -> float:
         self._slowed_now = self.slowed(epoch, rank, world_size)

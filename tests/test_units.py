@@ -294,3 +294,18 @@ def test_plain_sgd_has_no_momentum():
     assert all(g["momentum"] == 0 and not g["nesterov"] for g in opt.param_groups)
     opt = build_optimizer(model, plain_cfg("optimizer=momentum")["optimizer"], lr=0.5)
     assert all(math.isclose(g["momentum"], 0.9) for g in opt.param_groups)
+
+
+def test_a_sleep_straggler_on_all_ranks_slows_every_rank_one_that_joins_later_too():
+    """``straggler.ranks=all`` (device time each step, as bench/peers models it): every rank sleeps, one whose id
+    is past the world it started with (a process that joined) included; ``all`` is the only word allowed."""
+    from engine.straggler import SleepStraggler
+    from errors import ConfigError
+
+    every = SleepStraggler(ranks="all", start_epoch=1, sleep_s=0.0)
+    assert all(every.slowed(1, rank, 3) for rank in (0, 2, 3, 7)) and not every.slowed(0, 0, 3)
+    assert not SleepStraggler(ranks=[1], start_epoch=1).slowed(1, 3, 3)
+    section = {"ranks": "all", "start_epoch": 1, "slowdown": 5.0, "sleep_s": 0.3}
+    SleepStraggler.validate(section, {}, 3)
+    with pytest.raises(ConfigError, match="straggler.ranks"):
+        SleepStraggler.validate({**section, "ranks": "some"}, {}, 3)

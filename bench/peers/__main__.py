@@ -339,6 +339,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="runs of each failure pair (alternating which side runs first; medians)")  # fmt: skip
     parser.add_argument("--kill-at", type=int, default=20, help="a node is killed after this many steps")
     parser.add_argument("--back-after", type=int, default=20, help="and comes back this many steps later")
+    parser.add_argument("--failure-device-s", type=float, default=0.0,
+                        help="seconds of device time per step in the failure runs, both sides: a sleep before each "
+                        "forward, as a GPU's compute leaves the host's cores free (0: none)")  # fmt: skip
     parser.add_argument("--report", action="store_true", help="the tables again from --out's peers.json")
     parser.add_argument("--port", type=int, default=29800)
     parser.add_argument("--cell-timeout", type=float, default=600.0, help="seconds for one run")
@@ -401,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.failures:
         started = time.perf_counter()
         failed = []
+        device = failures.device_time(args.failure_device_s)
         with EmulatedNetwork(failures.NODES) as net:
             net.shape(args.failure_rate)
             for attempt in range(args.failure_repeats):
@@ -409,13 +413,14 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"bench.peers: failures, {pair.ours} beside {pair.peer_name}", flush=True)
                     rows = failures.run(
                         net, jobs.workdir / f"failures-{key}", args.port + 2000 + 100 * i + 20 * attempt,
-                        args.failure_steps, args.kill_at, args.back_after, list(pair.overrides), pair.period,
+                        args.failure_steps, args.kill_at, args.back_after, [*pair.overrides, *device], pair.period,
                         pair.peer, attempt,
                     )  # fmt: skip
                     failed += [{"pair": key, "ours_name": pair.ours, "peer_name": pair.peer_name, **r} for r in rows]
         result = {
             "benchmark": "peers-failures", **head, "rate": args.failure_rate, "steps": args.failure_steps,
             "kill_at": args.kill_at, "back_after": args.back_after, "repeats": args.failure_repeats,
+            "device_s": args.failure_device_s,
             "wall_s": time.perf_counter() - started, "rows": failed,
         }  # fmt: skip
         write(out, "peers-failures", result, failure_table(failures.summary(failed)))

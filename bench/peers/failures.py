@@ -38,6 +38,16 @@ NODES = 3
 HEARTBEAT_TIMEOUT_MS = 2000  # = SILENT_S (distributed/world.py): both give a silent peer up after 2 s
 
 
+def device_time(seconds: float) -> list[str]:
+    """Overrides for both sides that make each step spend ``seconds`` asleep before its forward pass, every rank
+    (a joining one too) from the first step: a GPU's compute, during which the host's cores are free. On this
+    machine's two cores, three nodes that compute all the time drift apart between synchronisations by more than
+    a join costs; with device time they share the cores less."""
+    if not seconds:
+        return []
+    return ["straggler=sleep", "straggler.ranks=all", "straggler.start_epoch=1", f"straggler.sleep_s={seconds}"]
+
+
 def _events(metrics: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [r for r in metrics if r["kind"] == "event" and r["event"] == name]
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hydra.utils import instantiate
 from torch import nn
 
 from bench.common import config
@@ -260,7 +261,7 @@ def main(argv: list[str]) -> int:
     peer = (TorchPeer if name in TORCH_PEERS else TorchftPeer)(name, model, optimizer, cfg["sync"])
     loaders = Loaders(data, batch, cfg["data"]["num_workers"], t["seed"])
     loaders.build(replicas, replica)
-    criterion = nn.CrossEntropyLoss()
+    criterion, straggler = nn.CrossEntropyLoss(), instantiate(cfg["straggler"])  # (a sleep: device time, as ours)
     writer = MetricsWriter(os.path.join(run_dir, "metrics.jsonl")) if replica == 0 else None
     netdev = NetdevCounter(t["netdev"]) if t.get("netdev") else None
     step, epoch, started = 0, 0, time.perf_counter()
@@ -274,10 +275,12 @@ def main(argv: list[str]) -> int:
         for i, (x, y) in enumerate(loaders.train):
             if i >= spe or peer.position(step) >= max_steps:
                 break
+            slept = straggler.delay(epoch, replica, replicas)  # (where our trainer sleeps: before the forward)
             peer.optimizer.zero_grad(set_to_none=True)  # (torchft's DDP: the quorum, and a heal, happen here)
             loss = criterion(peer.module(x), y)
             loss.backward()
             compute_s = time.perf_counter() - tick
+            straggler.observe(compute_s - slept)
             at = peer.position(step)  # the LR of the run's position, in our trainer's expression of it
             lr = schedule.apply(optimizer, at // spe + (at % spe) / spe)
             peer.optimizer.step()
