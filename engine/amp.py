@@ -30,6 +30,11 @@ class AmpBackend:
     def autocast(self):
         return contextlib.nullcontext()
 
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clear the gradients before a step's backward (as ``None``: no memset, and a skipped parameter stays
+        without one)."""
+        optimizer.zero_grad(set_to_none=True)
+
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         loss.backward()
 

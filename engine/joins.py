@@ -626,7 +626,7 @@ def warm_up(host: Host) -> None:
         loss.backward()
     random.setstate(python)
     np.random.set_state(numpy)
-    host.optimizer.zero_grad(set_to_none=True)
+    host.amp.zero_grad(host.optimizer)
 
 
 def _complete(host: Host, receiving: Receiving) -> None:

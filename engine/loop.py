@@ -262,7 +262,7 @@ class Trainer:
         self.apply(self.sync.before_step(self.step), epoch)  # before the forward: the group may have changed
         start = time.perf_counter()
         slept = self.straggler.delay(epoch, self.rank, self.world_size)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.amp.zero_grad(self.optimizer)
         with self.amp.autocast():
             loss = self.criterion(self.sync.module(x), y)
         self.amp.backward(loss, self.optimizer)
