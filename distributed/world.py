@@ -9,11 +9,37 @@ import torch
 import torch.distributed as dist
 
 
-def select_device(name: str, local_rank: int) -> torch.device:
-    """``cuda`` (this process's GPU), ``cpu``, or ``auto``: CUDA when there is a GPU."""
+def cuda_index(local_rank: int, local_world_size: int, visible: int, env: os._Environ | dict = os.environ) -> int:
+    """Which of the ``visible`` CUDA devices the process of local rank ``local_rank`` (of ``local_world_size`` on its
+    node) trains on.
+
+    - One visible device: it is this process's own (Slurm's ``--gpus-per-task 1`` binds each task to its GPU, so every
+      task sees one, numbered 0; or ``CUDA_VISIBLE_DEVICES`` set per process).
+    - The devices of this task alone (``SLURM_GPUS_PER_TASK`` of them visible): the first.
+    - Otherwise the node's devices are shared among its processes (torchrun, ``--gpus-per-node``, the local launcher):
+      one each, by local rank; fewer devices than local processes is an error (NCCL refuses two ranks on one GPU).
+    """
+    where = f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '(unset)')}"
+    if visible < 1:
+        raise ValueError(f"trainer.device=cuda: no CUDA device is visible to local rank {local_rank} ({where})")
+    per_task = env.get("SLURM_GPUS_PER_TASK", "")
+    if visible == 1 or (per_task.isdigit() and int(per_task) == visible):
+        return 0
+    if local_world_size > visible:
+        raise ValueError(
+            f"trainer.device=cuda: {local_world_size} processes on this node share {visible} visible GPUs ({where}): "
+            f"one GPU per process is needed (NCCL refuses two ranks on one GPU). Start at most {visible} processes "
+            f"per node, give each task its own GPU (srun --gpus-per-task 1), or use trainer.device=cpu"
+        )
+    return local_rank
+
+
+def select_device(name: str, local_rank: int, local_world_size: int = 1) -> torch.device:
+    """``cuda`` (this process's GPU, :func:`cuda_index`), ``cpu``, or ``auto``: CUDA when there is a GPU."""
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = cuda_index(local_rank, local_world_size, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

@@ -57,10 +57,24 @@ def slurm_world(env: os._Environ | dict = os.environ) -> dict[str, str]:
         "RANK": env["SLURM_PROCID"],
         "WORLD_SIZE": env["SLURM_NTASKS"],
         "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": str(tasks_on_node(env)),
         "MASTER_ADDR": env.get("MASTER_ADDR") or first,
         "MASTER_PORT": port,
         "RELAXSYNC_LAUNCHER": "srun",
     }
+
+
+def tasks_on_node(env: os._Environ | dict = os.environ) -> int:
+    """How many tasks of this job step run on this task's node: its entry (``SLURM_NODEID``) in Slurm's compressed
+    per-node list (``SLURM_STEP_TASKS_PER_NODE``, e.g. ``4(x2),3``: four on each of the first two nodes, three on the
+    third); 1 when Slurm does not say."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    counts: list[int] = []
+    for part in filter(None, spec.split(",")):
+        count, _, times = part.partition("(x")
+        counts += [int(count)] * (int(times.rstrip(")")) if times else 1)
+    node = int(env.get("SLURM_NODEID", "0"))
+    return counts[node] if node < len(counts) else 1
 
 
 def requeue_slurm_job(env: os._Environ | dict = os.environ) -> str:

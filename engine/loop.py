@@ -44,7 +44,8 @@ class Trainer:
         self.cfg, self.run_dir, t = cfg, run_dir, cfg["trainer"]
         torch.set_num_threads(t["threads"])
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self.device = select_device(t["device"], int(os.environ.get("LOCAL_RANK", 0)))
+        local = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        self.device = select_device(t["device"], *local)
         self.joining = bool(t["join"])  # a process that joins a running world (engine/joins.py)
         self.membership = worker_membership(t, self.device, self.rank, self.world_size, run_dir)
         if self.joining:  # (its id comes with its ticket)
