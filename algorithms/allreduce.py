@@ -32,7 +32,7 @@ class _HookState:
 
     def __init__(self, comm: Communicator):
         self.comm = comm
-        self.last_ready: float | None = None  # perf_counter() when the last bucket of this backward was handed over
+        self.last_ready: Any = None  # comm.clock's mark when the last bucket of this backward was handed over
         self.works: list[dist.Work] = []  # this backward's allreduces, until after_backward has seen them finish
 
     def __getstate__(self):  # DDP may pickle hook state; the communicator is process-local
@@ -45,10 +45,11 @@ def counted_allreduce_hook(state: _HookState, bucket: dist.GradBucket) -> torch.
     :meth:`AllReduce.after_backward`. DDP waits for the future in C++: it is relayed through the membership, so
     that a peer lost elsewhere ends that wait too (distributed/alarm.py)."""
     start = time.perf_counter()
-    state.last_ready = start
+    state.last_ready = state.comm.clock.mark()  # (on a GPU, where the stream is: the bucket's gradients are queued)
     buffer, group = bucket.buffer(), state.comm.group
     buffer.div_(group.size())
     work = dist.all_reduce(buffer, group=group, async_op=True)
+    state.comm.time_on_device([work])  # (nothing off a device: there its time is the callback's below)
     state.works.append(work)
     future = work.get_future().then(lambda f: f.value()[0])
     return state.comm.membership.relay(counted(future, state.comm, tensor_bytes(buffer), start))
@@ -57,10 +58,11 @@ def counted_allreduce_hook(state: _HookState, bucket: dist.GradBucket) -> torch.
 def counted(
     future: torch.futures.Future[torch.Tensor], comm: Communicator, nbytes: int, start: float
 ) -> torch.futures.Future[torch.Tensor]:
-    """``future``, recording on completion one allreduce of ``nbytes`` that began at ``start``."""
+    """``future``, recording on completion one allreduce of ``nbytes`` that began at ``start`` (``perf_counter()``; on a
+    device its time there is counted apart, ``Communicator.time_on_device``)."""
 
     def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-        comm.record_allreduce(nbytes, time.perf_counter() - start)
+        comm.record_allreduce(nbytes, 0.0 if comm.clock.on_device else time.perf_counter() - start)
         return f.value()
 
     return future.then(done)

@@ -146,7 +146,7 @@ class SyncReport:
     """What a hook returns: the agreed overflow verdict, measurements, events and requests to the trainer."""
 
     grads_finite: bool = True  # the agreed overflow verdict (identical on every rank)
-    compute_end: float | None = None  # perf_counter() when this rank's own compute ended, if known
+    compute_end: Any = None  # ctx.comm.clock's mark when this rank's own compute ended, if known
     events: list[dict[str, Any]] = field(default_factory=list)  # e.g. {"event": "evict", ...}
     metrics: dict[str, float] = field(default_factory=dict)  # algorithm metrics, e.g. {"sparsity": 0.999}
     requests: list[Request] = field(default_factory=list)

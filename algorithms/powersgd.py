@@ -133,14 +133,16 @@ def counted_powersgd_hook(state: _PowerHookState, bucket: dist.GradBucket) -> to
     the reverse, a collective mismatch that gloo aborts on. Waiting here keeps
     every rank's collectives in the same order, at the cost of not overlapping one bucket's exchange with the
     rest of the backward pass."""
-    start = time.perf_counter()
-    state.last_ready = start
+    start, clock = time.perf_counter(), state.comm.clock
+    state.last_ready = began = clock.mark()
     psgd, buffer = state.psgd, bucket.buffer()
     state.buckets.prepare(bucket)
     plain = psgd.iter < psgd.start_powerSGD_iter
     before = psgd.total_numel_after_compression
     future = state.comm.membership.relay(powerSGD_hook(psgd, bucket))
     future.wait()  # (PeerLost when a peer is lost elsewhere meanwhile)
+    if clock.on_device:  # (the wait ordered the current stream after the exchange: its end is a mark there)
+        state.comm.time_span(began, clock.mark())
     numel = buffer.numel() if plain else psgd.total_numel_after_compression - before
     return counted(future, state.comm, numel * buffer.element_size(), start)
 

@@ -24,6 +24,7 @@ from algorithms.allreduce import AllReduce
 from algorithms.base import SyncContext
 from algorithms.relaxed import Eviction
 from data.common import ShardSampler, TrainSampler
+from distributed.clock import build_clock
 from distributed.comm import Communicator
 from distributed.membership import Membership, host_names
 
@@ -66,8 +67,8 @@ class RelaxedSyncDistributedDataParallel(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("RelaxedSyncDistributedDataParallel: call torch.distributed.init_process_group first")
         self.membership = Membership(dist.get_rank(), dist.get_world_size(), hosts=host_names())
-        self.comm = Communicator(self.membership)
         device = next(module.parameters()).device
+        self.comm = Communicator(self.membership, build_clock(device))
         self.eviction = Eviction(relaxed_sync_threshold, reference, 1, protected=() if master_skip else (0,))
         self.mode_threshold = relaxed_sync_mode_threshold
         self.simulate_slow_process, self.sleep_process_start_epoch = simulate_slow_process, sleep_process_start_epoch
@@ -78,7 +79,8 @@ class RelaxedSyncDistributedDataParallel(nn.Module):
         self._epoch = 0
         self._forward_times: list[float] = []
         self._step_times: list[float] = []
-        self._step_start: float | None = None
+        self._step_start: Any = None  # a mark of self.comm.clock
+        self._ready_seen: Any = None  # the last bucket's mark already counted
         self.loaders_rebuilt = 0
         self.module = module  # as DDP: parameters(), train()/eval() and state_dict() see the wrapped model
         self._exchange = AllReduce(bucket_cap_mb=bucket_cap_mb)
@@ -88,7 +90,7 @@ class RelaxedSyncDistributedDataParallel(nn.Module):
     # ---- forward: timing and the simulated straggler -----------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._record_previous_step()
-        self._step_start = time.perf_counter()
+        self._step_start = self.comm.clock.mark()
         self._simulate_slowness()
         start = time.perf_counter()
         out = self._exchange.module(*args, **kwargs)
@@ -98,10 +100,10 @@ class RelaxedSyncDistributedDataParallel(nn.Module):
 
     def _record_previous_step(self) -> None:
         """Own compute of the previous step: from its forward to its last gradient bucket being ready."""
-        ready = self._exchange.hook_state.last_ready
-        if self._step_start is not None and ready is not None and ready > self._step_start:
-            self._step_times.append(ready - self._step_start)
-        self._step_start = None
+        ready = self._exchange.hook_state.last_ready  # (a mark of the same clock: on a GPU, a CUDA event)
+        if self._step_start is not None and ready is not None and ready is not self._ready_seen:
+            self._step_times.append(self.comm.clock.seconds(self._step_start, ready))
+        self._step_start, self._ready_seen = None, ready
 
     def _simulate_slowness(self) -> None:
         world = self.membership.initial_size

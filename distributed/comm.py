@@ -9,7 +9,10 @@ an extra collective (every collective's per-rank traffic is known from its shape
   s from the sender; a broadcast of S bytes sends S from the root (S/N per rank on average).
 
 ``comm_s`` is the wall time this rank spent inside blocking collectives, plus, for asynchronous ones
-(DDP's bucket allreduces), the time from launch to completion, which may overlap computation.
+(DDP's bucket allreduces), the time from launch to completion, which may overlap computation. On a GPU
+(``clock.on_device``: the CPU only queues collectives there, and NCCL runs them on streams of its own) it is each
+collective's time on the GPU instead, from NCCL's own events, read once it completed: in the step that issued it,
+or in a later one (``distributed/clock.py``).
 
 The trainer takes the counts after every step (:meth:`Communicator.take`); they are the Communicator's own
 type (:class:`CommCounts`), apart from what a hook reports (``algorithms.base.SyncReport``).
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distributed.clock import Clock, device_seconds
 from distributed.membership import Membership
 from distributed.topology import round_robin
 
@@ -79,15 +83,20 @@ class Pending:
             return None
         start = time.perf_counter()
         self.comm.membership.wait(self.works)
-        self.comm.record(0.0, 0.0, time.perf_counter() - start)
+        if not self.comm.clock.on_device:  # (on a device, the collectives' own time was counted at their issue)
+            self.comm.record(0.0, 0.0, time.perf_counter() - start)
         return self.result
 
 
 class Communicator:
     """Counted collectives on the active group of ``membership``."""
 
-    def __init__(self, membership: Membership):
+    def __init__(self, membership: Membership, clock: Clock | None = None):
         self.membership = membership
+        self.clock = clock or Clock()
+        # On a device: collectives (NCCL works) and spans (start, end marks) whose time there is read once complete,
+        # each with the generation of the group it ran on (a replaced group's are dropped with it).
+        self._on_device: list[tuple[int, Any]] = []
         self._step = CommCounts()
         self.totals = CommCounts()  # over the whole run (evaluation traffic included)
         self._side = False
@@ -123,8 +132,49 @@ class Communicator:
 
     def take(self) -> CommCounts:
         """Return this step's counts and start a new step."""
+        if self._on_device:
+            self._read_device_times()
         counts, self._step = self._step, CommCounts()
         return counts
+
+    def time_on_device(self, works: list[Any]) -> None:
+        """Count ``works``' time on the GPU, once they complete (their bytes are recorded apart)."""
+        if not self._side:
+            self._on_device += [(self.membership.generation, w) for w in works]
+
+    def time_span(self, start: Any, end: Any) -> None:
+        """Count the time between two marks of :attr:`clock` as communication, once the device reached ``end``."""
+        if self.clock.on_device and not self._side:
+            self._on_device.append((self.membership.generation, (start, end)))
+        elif not self.clock.on_device:
+            self.record(0.0, 0.0, self.clock.seconds(start, end))
+
+    def _issued(self, works: list[Any], cpu_seconds: float) -> float:
+        """The seconds to record at a collective's issue: its launch time on the CPU; nothing on a device, where its
+        own time is read when it completes."""
+        if self.clock.on_device:
+            self.time_on_device(works)
+            return 0.0
+        return cpu_seconds
+
+    def _read_device_times(self) -> None:
+        """Add to this step the device time of every collective and span that has completed; the others wait for a
+        later step. Those of a replaced group are dropped, as their results are (they may never complete)."""
+        left = []
+        for generation, item in self._on_device:
+            if generation != self.membership.generation:
+                continue
+            if isinstance(item, tuple):
+                start, end = item
+                seconds = self.clock.seconds(start, end) if end.query() else None
+            else:
+                seconds = device_seconds(item)
+            if seconds is not None:
+                self._step.comm_s += seconds
+                self.totals.comm_s += seconds
+            else:
+                left.append((generation, item))
+        self._on_device = left
 
     @contextmanager
     def uncounted(self) -> Iterator[None]:
@@ -153,7 +203,7 @@ class Communicator:
         start = time.perf_counter()
         work = dist.all_reduce(tensor, op=op, group=group or self.group, async_op=True)
         size = dist.get_world_size(group) if group is not None else None
-        self.record_allreduce(tensor_bytes(tensor), time.perf_counter() - start, size)
+        self.record_allreduce(tensor_bytes(tensor), self._issued([work], time.perf_counter() - start), size)
         return Pending(self, [work], tensor)
 
     def all_reduce(
@@ -185,7 +235,7 @@ class Communicator:
         start = time.perf_counter()
         work = dist.all_gather(out, tensor, group=self.group, async_op=True)
         nbytes = tensor_bytes(tensor)
-        self.record((self.size - 1) * nbytes, nbytes, time.perf_counter() - start)
+        self.record((self.size - 1) * nbytes, nbytes, self._issued([work], time.perf_counter() - start))
         return Pending(self, [work], out)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -198,7 +248,7 @@ class Communicator:
             self.membership.wait([work])
         nbytes = tensor_bytes(tensor)
         size = dist.get_world_size(group) if group is not None else self.size
-        self.record(nbytes / size, nbytes / size, t[0])
+        self.record(nbytes / size, nbytes / size, self._issued([work], t[0]))
         return tensor
 
     def exchange_async(
@@ -216,7 +266,7 @@ class Communicator:
         start = time.perf_counter()
         works = dist.batch_isend_irecv(ops)
         nbytes = sum(tensor_bytes(x) for x, _ in sends) * mean_fraction
-        self.record(nbytes, nbytes, time.perf_counter() - start)
+        self.record(nbytes, nbytes, self._issued(works, time.perf_counter() - start))
         return Pending(self, works, [t for t, _ in recvs])
 
     def exchange(
@@ -246,6 +296,8 @@ class Communicator:
                 continue
             start = time.perf_counter()
             self.exchange([(send, peer)], [(recv, peer)])
+            if send.is_cuda:  # (NCCL's wait only orders streams: the exchange's real end is the device's)
+                torch.cuda.synchronize(send.device)
             times.append(time.perf_counter() - start)
         return min(times, default=math.inf)
 

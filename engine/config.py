@@ -152,6 +152,7 @@ def validate(cfg: dict[str, Any]) -> None:
     _check(t["device"] in DEVICES, "trainer.device", t["device"], f"one of {', '.join(DEVICES)}")
     if t["device"] in ("auto", "cuda"):
         _check_gpus(t)
+    _check(isinstance(t["cudnn_benchmark"], bool), "trainer.cudnn_benchmark", t["cudnn_benchmark"], "true or false")
     for key in ("eval_every", "log_every"):
         _check(_is_int(t[key]) and t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1")
     es = t["eval_every_steps"]
@@ -234,7 +235,8 @@ def _validator(group: str, target: Any) -> Callable[[dict, dict, int], None] | N
 def _validate_loader(d: dict[str, Any]) -> None:
     bs, nw = d.get("batch_size"), d.get("num_workers")
     _check(_is_int(bs) and bs >= 1, "data.batch_size", bs, "an integer >= 1 (samples per process)")
-    _check(_is_int(nw) and nw >= 0, "data.num_workers", nw, "an integer >= 0")
+    workers = "an integer >= 0, or auto (this process's share of the CPUs, less one)"
+    _check(nw == "auto" or (_is_int(nw) and nw >= 0), "data.num_workers", nw, workers)
 
 
 def _validate_optimizer(o: dict[str, Any]) -> None:
@@ -284,3 +286,9 @@ def _validate_model(m: dict[str, Any]) -> None:
     )
     d = m["drop_rate"]
     _check(_is_num(d) and 0 <= d < 1, "model.drop_rate", d, "a number in [0, 1)")
+    cl = m.get("channels_last", False)
+    _check(cl in ("auto", True, False), "model.channels_last", cl, "one of auto, true, false")
+    from models.factory import COMPILE_MODES
+
+    c = m.get("compile", False)
+    _check(c in (True, False, *COMPILE_MODES), "model.compile", c, f"one of false, true, {', '.join(COMPILE_MODES)}")

@@ -21,6 +21,7 @@ from torch import nn
 
 from algorithms.base import StepResult, SyncContext, SyncReport
 from data.common import Loaders, build_data
+from distributed.clock import build_clock
 from distributed.comm import Communicator
 from distributed.world import select_device
 from engine.checkpoint import Checkpointer
@@ -35,6 +36,7 @@ from engine.optim import build_replica
 from engine.reports import carry_out
 from engine.state import LoopState, RunState
 from engine.stop import StopRequest
+from models.factory import uses_channels_last
 
 
 class Trainer:
@@ -46,11 +48,14 @@ class Trainer:
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         self.device = select_device(t["device"], *local)
+        if self.device.type == "cuda":  # (convolutions' algorithms picked by timing them once per shape)
+            torch.backends.cudnn.benchmark = t["cudnn_benchmark"]
+        self.clock = build_clock(self.device)  # compute and communication timed where they run (on a GPU: there)
         self.joining = bool(t["join"])  # a process that joins a running world (engine/joins.py)
         self.membership = worker_membership(t, self.device, self.rank, self.world_size, run_dir)
         if self.joining:  # (its id comes with its ticket)
             self.rank, self.world_size = -1, self.membership.initial_size
-        self.comm = Communicator(self.membership)
+        self.comm = Communicator(self.membership, self.clock)
         torch.manual_seed(t["seed"])  # the same on every rank: identical initial replicas (without DDP too)
         self.data = data = build_data(cfg["data"])
         self.batch_size = cfg["data"]["batch_size"]
@@ -243,7 +248,7 @@ class Trainer:
         """One optimizer step on batch ``(x, y)``, fetched since ``tick``; returns its train record."""
         data_s = time.perf_counter() - tick
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        if self.cfg["model"].get("channels_last"):
+        if uses_channels_last(self.cfg["model"], self.device):
             x = x.contiguous(memory_format=torch.channels_last)
         report, result, slept = self.guard.run(Phase.STEP, lambda: self._compute(x, y, epoch, data_s), epoch)
         exchange = lambda: self.sync.after_optimizer_step(result)  # noqa: E731
@@ -261,19 +266,20 @@ class Trainer:
     def _compute(self, x: torch.Tensor, y: torch.Tensor, epoch: int, data_s: float):
         """The step up to and including the optimizer step: (report, StepResult, seconds slept by the straggler)."""
         self.apply(self.sync.before_step(self.step), epoch)  # before the forward: the group may have changed
-        start = time.perf_counter()
-        slept = self.straggler.delay(epoch, self.rank, self.world_size)
+        start = self.clock.mark()
+        slept = self.straggler.delay(epoch, self.rank, self.world_size, self.clock)
         self.amp.zero_grad(self.optimizer)
         with self.amp.autocast():
             loss = self.criterion(self.sync.module(x), y)
         self.amp.backward(loss, self.optimizer)
-        backward_end = time.perf_counter()
+        backward_end = self.clock.mark()
         report = self.sync.after_backward(self.step, self.amp.unscale(self.optimizer))
-        compute_s = (report.compute_end or backward_end) - start
         self.complete()  # (before the LR is set: the optimizer's state a joining process loads has the sender's)
         lr = self.schedule.apply(self.optimizer, self.run.epoch + self.run.step_in_epoch / self.loaders.steps_per_epoch)
         stepped = self.amp.step(self.optimizer, report.grads_finite)
-        return report, StepResult(self.step, epoch, loss.item(), lr, stepped, data_s, compute_s), slept
+        loss_value = loss.item()  # the step's one drain: on a GPU, every mark above has been reached after it
+        compute_s = self.clock.seconds(start, report.compute_end or backward_end)
+        return report, StepResult(self.step, epoch, loss_value, lr, stepped, data_s, compute_s), slept
 
     def apply(self, report: SyncReport, epoch: int, at_epoch_start: bool = False) -> None:
         """Carry out a hook's report (``engine/reports.py``), following the membership changes since the last."""

@@ -1,7 +1,10 @@
 """Simulated stragglers: make chosen ranks slow, for any sync algorithm.
 
 The delay is a sleep before the forward pass, so it is part of the slow rank's own compute time, as a slower
-GPU or a busier host would be.
+GPU or a busier host would be. ``straggler=sleep`` sleeps on the CPU (a busy host: the process itself is slow);
+``straggler=device`` keeps the training device busy instead (a throttled GPU: the CPU queues the step at full
+speed, and only the device's own clock, ``distributed/clock.py``, sees the slowdown). On a CPU the device sleep is
+simulated on that clock (nothing waits for it).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from distributed.clock import Clock
 from errors import is_int, is_number, require
 
 
@@ -19,8 +23,8 @@ class NoStraggler:
     def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
         pass
 
-    def delay(self, epoch: int, rank: int, world_size: int) -> float:
-        """Sleep if this rank is slowed now; return the seconds slept."""
+    def delay(self, epoch: int, rank: int, world_size: int, clock: Clock | None = None) -> float:
+        """Sleep if this rank is slowed now (``clock``: the device's, for a device sleep); return the seconds slept."""
         return 0.0
 
     def observe(self, compute_s: float) -> None:
@@ -72,7 +76,7 @@ class SleepStraggler(NoStraggler):
         ranks = self.ranks if self.ranks is not None else [world_size - 1]
         return (ranks == "all" or rank in ranks) and epoch >= self.start_epoch
 
-    def delay(self, epoch: int, rank: int, world_size: int) -> float:
+    def delay(self, epoch: int, rank: int, world_size: int, clock: Clock | None = None) -> float:
         self._slowed_now = self.slowed(epoch, rank, world_size)
         if not self._slowed_now:
             return 0.0
@@ -83,11 +87,25 @@ class SleepStraggler(NoStraggler):
             normal = sum(recent) / len(recent) if recent else 0.0
             actual = self._last_slowed if self._last_slowed is not None else normal
             seconds = max(0.0, self.slowdown * normal - actual)
-        time.sleep(seconds)
+        self.sleep(seconds, clock)
         return seconds
+
+    def sleep(self, seconds: float, clock: Clock | None) -> None:
+        time.sleep(seconds)
 
     def observe(self, compute_s: float) -> None:
         if self._slowed_now:
             self._last_slowed = compute_s
         if not self._slowed_now or len(self._normal) < 5:
             self._normal.append(compute_s)
+
+
+class DeviceStraggler(SleepStraggler):
+    """``straggler=device``: as ``straggler=sleep``, but the slowed ranks' *device* sleeps (``torch.cuda._sleep`` on
+    the compute stream before the forward), so the CPU is not slowed at all: a throttled GPU. Only a measure taken on
+    the device sees it."""
+
+    def sleep(self, seconds: float, clock: Clock | None) -> None:
+        if clock is None:
+            raise ValueError("straggler=device needs the training device's clock")
+        clock.sleep_on_device(seconds)
