@@ -58,6 +58,7 @@ SURVIVING_NCCL_MODES = ("0", "2")
 # dump and no such wait, unless the user set the variables.
 NCCL_DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
 NCCL_DUMP_WAIT_MS = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
+NCCL_TIMING = "TORCH_NCCL_ENABLE_TIMING"
 
 
 def nccl_environment(survive_failures: bool, env: os._Environ | dict = os.environ) -> dict[str, str]:
@@ -80,6 +81,8 @@ def init_distributed(backend: str, timeout_s: float, survive_failures: bool = Fa
     gloo would try to reach a previous rank's address."""
     if backend == "nccl":
         os.environ.update(nccl_environment(survive_failures))
+        # Each collective's start and end events on NCCL's stream: its time on the GPU (distributed/clock.py)
+        os.environ.setdefault(NCCL_TIMING, "1")
     timeout = datetime.timedelta(seconds=timeout_s)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

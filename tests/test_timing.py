@@ -7,6 +7,7 @@ so the slowed rank is slow *only* in what the clock measures)."""
 
 from __future__ import annotations
 
+import os
 import statistics
 
 import pytest
@@ -151,3 +152,17 @@ def test_relaxed_sync_evicts_a_rank_slow_on_its_device_and_not_on_its_cpu(tmp_pa
     # A sleep on the CPU (straggler=sleep) would hold everyone at the allreduce: >= 5x the normal step.
     assert slowed < 2.5 * normal, (slowed, normal)
     assert summary["ranks"] == [0, 1] and summary["replica_spread"] == 0.0
+
+
+def test_an_nccl_world_asks_for_each_collectives_device_time(monkeypatch):
+    import torch.distributed as dist
+
+    from distributed import world
+
+    monkeypatch.delenv(world.NCCL_TIMING, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: None)
+    world.init_distributed("gloo", 60.0)
+    assert world.NCCL_TIMING not in os.environ  # (gloo has no device events)
+    world.init_distributed("nccl", 60.0)
+    assert os.environ[world.NCCL_TIMING] == "1"
