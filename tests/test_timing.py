@@ -136,7 +136,8 @@ def test_device_seconds_reads_only_a_completed_timed_collective():
 def test_relaxed_sync_evicts_a_rank_slow_on_its_device_and_not_on_its_cpu(tmp_path):
     """``straggler=device`` slows rank 2's device 5x from epoch 2; its CPU runs at full speed, so nobody waits for it
     (on a CPU the device sleep exists only on the device clock). Relaxed sync's measure, read from that clock, evicts
-    it at the first check after (step 21: steps 14-20, the first of epoch 2, all slowed); the CPU's step time did not move."""
+    it at the first check after (step 21: steps 14-20, the first of epoch 2, all slowed); the CPU's step time did not
+    move."""
     summary, metrics = train(
         tmp_path,
         "sync=relaxed", "sync.relaxed_sync_threshold=2.0", "sync.check_every=7", "straggler=device",
@@ -159,7 +160,8 @@ def test_an_nccl_world_asks_for_each_collectives_device_time(monkeypatch):
 
     from distributed import world
 
-    monkeypatch.delenv(world.NCCL_TIMING, raising=False)
+    monkeypatch.setenv(world.NCCL_TIMING, "unset")  # (recorded as it was, restored after)
+    monkeypatch.delenv(world.NCCL_TIMING)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: None)
     world.init_distributed("gloo", 60.0)
