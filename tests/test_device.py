@@ -324,8 +324,6 @@ ON_CPU_ON_PURPOSE = {
     ("algorithms/dgc.py", "DGC.setup", "tensor"): "tensor sizes turned into Python offsets at once (.tolist())",
     ("algorithms/powersgd.py", "PowerSGD.state_dict", "from_numpy"): "numpy's RNG state: shared, read on the CPU",
     ("distributed/topology.py", "LoadBalancedRandom.permutation", "randperm"): "a CPU generator's draw, as ints",
-    ("engine/evaluate.py", "Evaluator.measure", "zeros"): "per-batch Python sums, moved to the device to be reduced",
-    ("engine/evaluate.py", "Evaluator.measure", "tensor"): "(the same sums)",
 }
 SOURCES = sorted(path for folder in ("algorithms", "engine", "distributed") for path in (ROOT / folder).rglob("*.py"))
 
