@@ -148,7 +148,8 @@ def probe_apex() -> str | None:
     except ImportError:
         return (
             "NVIDIA apex is not installed (it is not on PyPI; the PyPI package 'apex' is unrelated). "
-            "Build apex <= 25.04 from source (see docs/multinode.md), or use amp=torch"
+            "Install apex 25.04 from its source with make apex APEX_SRC=<dir or .tar.gz> (docs/multinode.md), "
+            "or use amp=torch"
         )
     try:
         from apex import amp  # noqa: F401
@@ -162,11 +163,50 @@ def probe_apex() -> str | None:
     return None
 
 
-class ApexAmp(AmpBackend):
-    """Legacy NVIDIA ``apex.amp``: ``amp.initialize(opt_level=...)`` and ``amp.scale_loss``.
+def _exchange(sync: dict[str, Any]) -> tuple[type | None, str]:
+    """The class of the algorithm that exchanges (a wrapper's inner one), and how the config names it; None for a
+    class that does not import (the sync group's own validation says so)."""
+    from hydra.utils import get_class
 
-    apex unscales and checks for overflow when ``scale_loss`` exits and then skips ``optimizer.step()`` itself
-    on overflow. Gradients are averaged by DDP during backward, before that check, so every rank decides alike.
+    from algorithms.base import Wrapper
+
+    try:
+        algorithm = get_class(sync["_target_"])
+        if issubclass(algorithm, Wrapper):
+            inner = get_class(sync["inner"]["_target_"])
+            return inner, f"sync={algorithm.name} with sync.inner={inner.name}"
+    except Exception:
+        return None, ""
+    return algorithm, f"sync={algorithm.name}"
+
+
+def _writes_parameters(algorithm: type) -> bool:
+    """Whether a sync algorithm may write the model's parameters itself, not only through the optimizer's step: the
+    hooks where the contract (``algorithms/base.py``) puts a model exchange are its own, ``after_optimizer_step``
+    (an average, a gossip mix, an outer step) or ``before_eval`` (the base's averages only BN statistics)."""
+    from algorithms.base import SyncAlgorithm
+
+    hooks = ("after_optimizer_step", "before_eval")
+    return any(getattr(algorithm, hook) is not getattr(SyncAlgorithm, hook) for hook in hooks)
+
+
+class ApexAmp(AmpBackend):
+    """Legacy NVIDIA ``apex.amp`` (apex 25.04, the last release with it): ``amp.initialize`` and ``amp.scale_loss``.
+
+    On leaving ``scale_loss`` apex unscales the gradients, checks them for overflow and updates its loss scale: on an
+    overflow (dynamic scaling) it halves the scale and replaces ``optimizer.step`` with a skip that puts the real
+    one back; otherwise it counts the step and doubles the scale after 2000 of them. ``unscale`` reports that local
+    verdict. The verdict every rank agreed on decides: where it is an overflow that this rank did not see (DGC
+    exchanges after unscaling, and another rank overflowed), ``step`` skips too and redoes apex's scale update as an
+    overflow, from the state it saved before ``scale_loss``, so every rank keeps the same loss scale.
+
+    Opt levels: O0 trains in float32 (a loss scale still applies); O1 patches torch functions to run in float16 where
+    safe, the model stays float32; O2 casts the model to float16 (batch norm stays float32) and the optimizer steps
+    float32 master copies, which apex copies into the model after each step; O3 casts the whole model to float16, no
+    masters. Under O2 the masters are made at ``setup`` (apex makes them at the first ``zero_grad`` or backward), so
+    a sync algorithm that reads the optimizer's parameters (DGC) holds those the optimizer steps, and they travel in
+    ``state_dict``: a resumed, healed or joining process continues from them exactly. A sync algorithm that writes
+    the model itself is rejected under O2 (``validate``): the masters would overwrite what it wrote.
     """
 
     name = "apex"
@@ -174,12 +214,28 @@ class ApexAmp(AmpBackend):
 
     def __init__(self, opt_level: str = "O1", loss_scale: str | float = "dynamic"):
         self.opt_level, self.loss_scale_cfg = opt_level, loss_scale
+        self.master_weights = opt_level == "O2"  # apex's O2 properties: float32 masters in the optimizer
+        self.before_update: dict[str, Any] = {}  # apex's loss scaler state before this step's scale_loss
 
     @classmethod
     def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
-        require(section["opt_level"] in cls.OPT_LEVELS, "amp.opt_level", section["opt_level"], "one of O0, O1, O2, O3")
+        level = section["opt_level"]
+        require(level in cls.OPT_LEVELS, "amp.opt_level", level, "one of O0, O1, O2, O3")
         ls = section["loss_scale"]
         require(ls == "dynamic" or (is_number(ls) and ls > 0), "amp.loss_scale", ls, "dynamic or a number > 0")
+        algorithm, sync = _exchange(cfg["sync"])
+        if algorithm is not None and level == "O2":
+            why = (
+                "it writes the model's parameters itself; apex's float32 masters would overwrite them at the next step"
+            )
+            require(not _writes_parameters(algorithm), "amp.opt_level", level, f"O0, O1 or O3 with {sync} ({why})")
+        if algorithm is not None and level == "O3":
+            from algorithms.dgc import DGC
+
+            why = (
+                "O3 casts every parameter to float16 and DGC compresses only float32 ones: nothing would be compressed"
+            )
+            require(not issubclass(algorithm, DGC), "amp.opt_level", level, f"O0, O1 or O2 with {sync} ({why})")
         missing = probe_apex()
         require(missing is None, "amp", "apex", f"NVIDIA apex with apex.amp and CUDA: {missing}")
 
@@ -191,24 +247,78 @@ class ApexAmp(AmpBackend):
         model, optimizer = amp.initialize(
             model, optimizer, opt_level=self.opt_level, loss_scale=self.loss_scale_cfg, verbosity=0
         )
+        if self.master_weights:
+            optimizer._amp_lazy_init()  # the float32 masters replace the model's parameters in the optimizer
+        self.optimizer = optimizer
         return model, optimizer
 
+    def zero_grad(self, optimizer):
+        if not self.master_weights:
+            # O0, O1, O3 leave torch's: gradients as None, so scale_loss has none to stash and add back.
+            super().zero_grad(optimizer)
+            return
+        # apex's O2 zero_grad (it takes no arguments) zeroes the model's gradients in place with detach_(), which
+        # raises on gradients that are views of DDP's buckets (gradient_as_bucket_view), from the second step on.
+        # What it zeroes goes to None here (scale_loss sets the float16 ones to None anyway), and the masters'
+        # gradients, which it drops, too.
+        stash = optimizer._amp_stash
+        for p in (*stash.all_fp16_params, *stash.all_fp32_from_fp32_params, *stash.all_fp32_from_fp16_params):
+            p.grad = None
+
     def backward(self, loss, optimizer):
+        self.before_update = self.amp.state_dict()  # each loss scaler's loss_scale and unskipped
         with self.amp.scale_loss(loss, optimizer) as scaled:
             scaled.backward()
 
     def unscale(self, optimizer) -> bool:
-        # scale_loss has already unscaled; report what apex's scaler found.
-        scaler = self.amp._amp_state.loss_scalers[0]
-        return not scaler._has_overflow
+        # scale_loss has unscaled already; report what apex's scaler found.
+        return not self._scaler()._has_overflow
 
     def step(self, optimizer, grads_finite: bool) -> bool:
-        optimizer.step()  # apex's patched step() is a no-op on overflow
-        return grads_finite
+        if optimizer._amp_stash.already_patched:
+            # apex overflowed here: step() is its skip, which puts the real step back. (Its Python unscale stops at
+            # the first non-finite gradient, so no verdict could make these gradients fit to step on.)
+            assert not grads_finite, "an overflow on one rank makes the agreed verdict an overflow on every rank"
+            optimizer.step()
+            return False
+        if not grads_finite:
+            self._skip_as_apex(optimizer)
+            return False
+        optimizer.step()
+        return True
+
+    def _skip_as_apex(self, optimizer) -> None:
+        """What apex does on an overflow of its own, where only the agreed verdict is one: the loss scale update redone
+        as an overflow from the state before ``scale_loss`` (halved, its count of finite steps reset), and under O2
+        the masters' gradients dropped, as apex's skip drops them; the optimizer does not step."""
+        scaler = self._scaler()
+        self.amp.load_state_dict(self.before_update)
+        scaler._has_overflow = True
+        scaler.update_scale()
+        for master in getattr(optimizer._amp_stash, "all_fp32_from_fp16_params", []):
+            master.grad = None
+
+    def _scaler(self):
+        return self.amp._amp_state.loss_scalers[0]
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self._scaler().loss_scale())
 
     def state_dict(self):
-        return {"apex_amp": self.amp.state_dict()}
+        state: dict[str, Any] = {"apex_amp": self.amp.state_dict()}
+        if self.master_weights:
+            state["master_params"] = [p.detach() for p in self.optimizer._amp_stash.all_fp32_from_fp16_params]
+        return state
 
     def load_state_dict(self, state):
+        """Called after the model's own (``Trainer.load_replica``): under O2 the masters come from ``state``, or from
+        the model just loaded where ``state`` has none (a checkpoint of another opt level)."""
         if state.get("apex_amp"):
             self.amp.load_state_dict(state["apex_amp"])
+        if self.master_weights:
+            stash = self.optimizer._amp_stash
+            saved = state.get("master_params") or stash.all_fp16_params
+            with torch.no_grad():
+                for master, value in zip(stash.all_fp32_from_fp16_params, saved, strict=True):
+                    master.copy_(value)
