@@ -83,6 +83,9 @@ class AllReduce(SyncAlgorithm):
         allowed = "a number of MiB > 0, or null for DDP's own layout (a 1 MiB first bucket, then 25 MiB ones)"
         number = isinstance(b, (int, float)) and not isinstance(b, bool)
         require(b is None or (number and b > 0), "sync.bucket_cap_mb", b, allowed)
+        compiled = cfg.get("model", {}).get("compile", False) not in (False, None)
+        # torch.compile splits the graph at DDP's buckets and needs the first (1 MiB) no larger than the others
+        require(not compiled or b is None or b >= 1, "sync.bucket_cap_mb", b, ">= 1 under model.compile (or null)")
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: SyncContext) -> None:
         super().setup(model, optimizer, ctx)

@@ -43,6 +43,13 @@ def select_device(name: str, local_rank: int, local_world_size: int = 1) -> torc
     return torch.device("cpu")
 
 
+def configure_device(device: torch.device, cudnn_benchmark: bool) -> None:
+    """Backend switches of the training device: on CUDA, ``torch.backends.cudnn.benchmark`` (cuDNN times its
+    convolution algorithms for each new input shape once and keeps the fastest, as timm and NVIDIA's ResNet-50 do)."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = cudnn_benchmark
+
+
 # How torch's NCCL watchdog handles a collective that failed or passed its deadline. Modes 1 (tear down) and 3
 # (skip clean-up, torch's default) end the process, which would end every survivor of a lost peer; 2 (clean up
 # only) aborts the communicator and lets the process live to agree with the others through the store; 0 does

@@ -85,8 +85,9 @@ class TorchAmp(AmpBackend):
 
     def setup(self, model, optimizer, device):
         super().setup(model, optimizer, device)
-        if self.dtype_name == "auto":
-            self.dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+        if self.dtype_name == "auto":  # bfloat16 where the device computes in it (no loss scaling), else float16
+            cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+            self.dtype = torch.float16 if device.type == "cuda" and not cuda_bf16 else torch.bfloat16
         else:
             self.dtype = self.DTYPES[self.dtype_name]
         use_scaler = self.dtype == torch.float16 if self.scaler_mode == "auto" else bool(self.scaler_mode)
@@ -139,6 +140,23 @@ class TorchAmp(AmpBackend):
     def load_state_dict(self, state):
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+class AutoAmp(TorchAmp):
+    """``amp=auto`` (the default): on CUDA, ``amp=torch``'s autocast (bfloat16 where the GPU supports it, else
+    float16 with the GradScaler); elsewhere full precision, as ``amp=none``."""
+
+    name = "auto"
+
+    def setup(self, model, optimizer, device):
+        self.active = device.type == "cuda"
+        if not self.active:
+            self.scaler = torch.amp.GradScaler(device.type, enabled=False)
+            return AmpBackend.setup(self, model, optimizer, device)
+        return super().setup(model, optimizer, device)
+
+    def autocast(self):
+        return super().autocast() if self.active else contextlib.nullcontext()
 
 
 def probe_apex() -> str | None:

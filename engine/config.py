@@ -292,3 +292,9 @@ def _validate_model(m: dict[str, Any]) -> None:
 
     c = m.get("compile", False)
     _check(c in (True, False, *COMPILE_MODES), "model.compile", c, f"one of false, true, {', '.join(COMPILE_MODES)}")
+    if c is not False:
+        import torch
+
+        b = m.get("compile_backend", "inductor")
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        _check(b in backends, "model.compile_backend", b, f"one of torch.compile's backends ({', '.join(backends)})")

@@ -23,7 +23,7 @@ from algorithms.base import StepResult, SyncContext, SyncReport
 from data.common import Loaders, build_data
 from distributed.clock import build_clock
 from distributed.comm import Communicator
-from distributed.world import select_device
+from distributed.world import configure_device, select_device
 from engine.checkpoint import Checkpointer
 from engine.ending import close, finish
 from engine.evaluate import Evaluation, Evaluator, reached_target
@@ -36,7 +36,7 @@ from engine.optim import build_replica
 from engine.reports import carry_out
 from engine.state import LoopState, RunState
 from engine.stop import StopRequest
-from models.factory import uses_channels_last
+from models.factory import compile_mode, uses_channels_last
 
 
 class Trainer:
@@ -48,8 +48,7 @@ class Trainer:
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         self.device = select_device(t["device"], *local)
-        if self.device.type == "cuda":  # (convolutions' algorithms picked by timing them once per shape)
-            torch.backends.cudnn.benchmark = t["cudnn_benchmark"]
+        configure_device(self.device, t["cudnn_benchmark"])
         self.clock = build_clock(self.device)  # compute and communication timed where they run (on a GPU: there)
         self.joining = bool(t["join"])  # a process that joins a running world (engine/joins.py)
         self.membership = worker_membership(t, self.device, self.rank, self.world_size, run_dir)
@@ -91,9 +90,12 @@ class Trainer:
         self.joins = Joins(self.membership, t["hang_timeout_s"], self) if t["on_failure"] == "continue" else None
         if not self.done() and not self.joining:  # (a run resumed at its end writes nothing more)
             self.recorder.start(self.membership.hosts, self.run.epoch + 1, self.step, resumed)
+        m = cfg["model"]
+        model = [f"{self.num_params / 1e6:.2f} M params"] + ["channels_last"] * uses_channels_last(m, self.device)
+        model += [f"compiled ({m['compile_backend']})"] if compile_mode(m) else []
         self.recorder.console(
-            f"relaxsync: {self.world_size} x {self.device.type} ({launcher_name()}), model {cfg['model']['name']} "
-            f"({self.num_params / 1e6:.2f} M params), sync {self.sync.name}, {self.loaders.steps_per_epoch} "
+            f"relaxsync: {self.world_size} x {self.device.type} ({launcher_name()}), model {m['name']} "
+            f"({', '.join(model)}), sync {self.sync.name}, {self.loaders.steps_per_epoch} "
             f"steps/epoch, global batch {self.batch_size * self.world_size}, run dir {shown(run_dir)}"
         )
 

@@ -46,7 +46,8 @@ def build_model(cfg_model: dict[str, Any], num_classes: int, in_chans: int, devi
         model = model.to(memory_format=torch.channels_last)
     mode = compile_mode(cfg_model)
     if mode is not None:
-        model.compile(mode=mode)
+        backend = cfg_model.get("compile_backend", "inductor")
+        model.compile(backend=backend, **({"mode": mode} if backend == "inductor" else {}))
     return model
 
 
