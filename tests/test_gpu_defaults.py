@@ -70,9 +70,8 @@ def test_a_compiled_model_trains_as_the_eager_one_and_every_bucket_is_counted(tm
 
 
 def test_compile_settings_are_validated_before_any_worker():
-    from errors import ConfigError
-
     from engine.config import validate
+    from errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"model.compile='fast': expected one of false, true, default"):
         validate(plain_cfg("model.compile=fast"))
