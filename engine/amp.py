@@ -234,6 +234,7 @@ class ApexAmp(AmpBackend):
         self.opt_level, self.loss_scale_cfg = opt_level, loss_scale
         self.master_weights = opt_level == "O2"  # apex's O2 properties: float32 masters in the optimizer
         self.before_update: dict[str, Any] = {}  # apex's loss scaler state before this step's scale_loss
+        self.unfinished = False  # a backward has run and its step() has not
 
     @classmethod
     def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
@@ -284,7 +285,15 @@ class ApexAmp(AmpBackend):
             p.grad = None
 
     def backward(self, loss, optimizer):
-        self.before_update = self.amp.state_dict()  # each loss scaler's loss_scale and unskipped
+        if self.unfinished:
+            # The step is redone (a peer was lost after this backward, trainer.on_failure=continue): apex's update of
+            # the first try is undone, and a skip it left in place of step() is spent (it only puts the step back).
+            self.amp.load_state_dict(self.before_update)
+            if optimizer._amp_stash.already_patched:
+                optimizer.step()
+        else:
+            self.before_update = self.amp.state_dict()  # each loss scaler's loss_scale and unskipped
+        self.unfinished = True
         with self.amp.scale_loss(loss, optimizer) as scaled:
             scaled.backward()
 
@@ -293,6 +302,7 @@ class ApexAmp(AmpBackend):
         return not self._scaler()._has_overflow
 
     def step(self, optimizer, grads_finite: bool) -> bool:
+        self.unfinished = False
         if optimizer._amp_stash.already_patched:
             # apex overflowed here: step() is its skip, which puts the real step back. (Its Python unscale stops at
             # the first non-finite gradient, so no verdict could make these gradients fit to step on.)
@@ -332,6 +342,9 @@ class ApexAmp(AmpBackend):
     def load_state_dict(self, state):
         """Called after the model's own (``Trainer.load_replica``): under O2 the masters come from ``state``, or from
         the model just loaded where ``state`` has none (a checkpoint of another opt level)."""
+        if self.optimizer._amp_stash.already_patched:  # (a rank healed from a peer: the skip its own overflow left)
+            self.optimizer.step()
+        self.unfinished = False
         if state.get("apex_amp"):
             self.amp.load_state_dict(state["apex_amp"])
         if self.master_weights:

@@ -293,6 +293,40 @@ def test_loss_scale_is_apexs(flavor, level, monkeypatch):
     assert backend.loss_scale == 512.0 == backend.amp._amp_state.loss_scalers[0].loss_scale()
 
 
+@pytest.mark.parametrize("flavor,level", CASES, ids=IDS)
+def test_a_step_redone_after_a_lost_peer_counts_once_in_apexs_scale(flavor, level, monkeypatch):
+    """Under trainer.on_failure=continue a step whose exchange failed is redone from its start: the first try's
+    backward has updated apex's scale (halved it and left its skip in place of step() where it saw an overflow)."""
+    model, optimizer, backend = build(flavor, level, monkeypatch, scale=256.0, window=3)
+    scaler = backend.amp._amp_state.loss_scalers[0]
+    train_step(model, optimizer, backend, 0)
+    x, y = batch(1)
+    backend.zero_grad(optimizer)
+    backend.backward(nn.functional.cross_entropy(model(x), y) * float("inf"), optimizer)  # the first try: overflow
+    assert optimizer._amp_stash.already_patched
+    before = flat(model)
+    assert train_step(model, optimizer, backend, 1) == (True, True)  # the redo, finite, steps
+    assert not torch.equal(before, flat(model))
+    assert (scaler.loss_scale(), scaler._unskipped) == (256.0, 2)  # one finite step each
+    backend.zero_grad(optimizer)
+    backend.backward(nn.functional.cross_entropy(model(x), y), optimizer)  # a finite first try, at the window
+    train_step(model, optimizer, backend, 2)
+    assert (scaler.loss_scale(), scaler._unskipped) == (512.0, 0)  # doubled once
+
+    # A rank healed from a peer after its own overflow: the peer's state, and its own skip spent.
+    state = copy.deepcopy(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "amp": backend.state_dict()}
+    )
+    backend.zero_grad(optimizer)
+    backend.backward(nn.functional.cross_entropy(model(x), y) * float("inf"), optimizer)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    backend.load_state_dict(state["amp"])
+    assert not optimizer._amp_stash.already_patched and (scaler.loss_scale(), scaler._unskipped) == (512.0, 0)
+    assert train_step(model, optimizer, backend, 3) == (True, True)
+    assert (scaler.loss_scale(), scaler._unskipped) == (512.0, 1)
+
+
 # ---- O2's masters ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("flavor", ["apex", "stub"])
 def test_o2_masters_are_the_optimizers_from_setup_and_travel_in_the_state(flavor, monkeypatch):
