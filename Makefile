@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-full test-gpu chaos lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-soak bench-tta bench-membership bench-peers peers clean
+.PHONY: help venv train test test-full test-gpu apex bench-gpu chaos lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-soak bench-tta bench-membership bench-peers peers clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -38,6 +38,11 @@ test-full: $(STAMP) ## the test suite plus the slow tests marked full (~16 min o
 test-gpu: $(STAMP) ## on a GPU machine: the CUDA tests, and the fault tests on NCCL (one GPU per node; skips what needs more)
 	RELAXSYNC_TEST_GPU=1 $(PY) -m pytest -q -m "" tests/test_gpu.py tests/test_device.py tests/test_faults.py $(ARGS)
 
+APEX_SRC ?=
+apex: $(STAMP) ## install NVIDIA apex 25.04 (Python-only, for amp=apex) from a source dir or tarball: APEX_SRC=path
+	@test -n "$(APEX_SRC)" || { echo "make apex: set APEX_SRC to NVIDIA apex 25.04's source (a directory or a .tar.gz)"; exit 2; }
+	$(PY) scripts/install_apex.py "$(APEX_SRC)"
+
 SEED ?= 0
 N ?=
 ONLY ?=
@@ -54,6 +59,9 @@ format: $(STAMP) ## ruff format + autofix
 	$(VENV)/bin/ruff check --fix .
 
 bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-soak bench-tta bench-membership bench-peers ## run every benchmark (results: docs/benchmarks/)
+
+bench-gpu: $(STAMP) ## on a GPU: train.py vs a plain torch loop (img/s), the loader's rate, NCCL recoveries (--smoke: CPU)
+	$(PY) -m bench.gpu $(ARGS)
 
 bench-overhead: $(STAMP) ## our allreduce loop vs a plain torch DDP loop (samples/s ratio)
 	$(PY) -m bench.overhead $(ARGS)

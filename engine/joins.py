@@ -68,7 +68,6 @@ from engine.guard import Site, training_membership
 from engine.handover import Receiving, Sending, receive_ahead, split
 from engine.optim import build_schedule
 from engine.state import LoopState
-from models.factory import uses_channels_last
 
 POLL_S = 0.2  # how often a member looks for tickets
 MARGIN = 3  # steps on that a member promises; it waits for the others' promises one step before its own
@@ -617,11 +616,7 @@ def warm_up(host: Host) -> None:
     devices = [host.device] if host.device.type == "cuda" else []
     python, numpy = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=devices):
-        x = host.data.train[0][0]
-        batch = x.unsqueeze(0).expand(host.batch_size, *x.shape).contiguous().to(host.device)
-        if uses_channels_last(host.cfg["model"], host.device):
-            batch = batch.contiguous(memory_format=torch.channels_last)
-        target = torch.zeros(host.batch_size, dtype=torch.long, device=host.device)
+        batch, target = host.loaders.example_batch(host.batch_size)
         with host.amp.autocast():
             loss = host.criterion(host.raw_model(batch), target)
         loss.backward()

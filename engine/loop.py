@@ -62,7 +62,8 @@ class Trainer:
             cfg, data, self.device, self.world_size
         )
         self.straggler, self.criterion = instantiate(cfg["straggler"]), nn.CrossEntropyLoss()
-        self.loaders = Loaders(data, self.batch_size, cfg["data"]["num_workers"], t["seed"])
+        channels_last = uses_channels_last(cfg["model"], self.device)  # (the batches' memory format is the model's)
+        self.loaders = Loaders(data, self.batch_size, cfg["data"]["num_workers"], t["seed"], self.device, channels_last)
         self.run = RunState()
         every, every_steps = t["checkpoint_every"], t["checkpoint_every_steps"]
         self.checkpointer = Checkpointer(run_dir, self.rank, every, t["resume"], every_steps, config=cfg)
@@ -248,10 +249,7 @@ class Trainer:
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, epoch: int, tick: float) -> dict[str, Any]:
         """One optimizer step on batch ``(x, y)``, fetched since ``tick``; returns its train record."""
-        data_s = time.perf_counter() - tick
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        if uses_channels_last(self.cfg["model"], self.device):
-            x = x.contiguous(memory_format=torch.channels_last)
+        data_s = time.perf_counter() - tick  # (the loaders yield it ready: on the device, normalized, in its layout)
         report, result, slept = self.guard.run(Phase.STEP, lambda: self._compute(x, y, epoch, data_s), epoch)
         exchange = lambda: self.sync.after_optimizer_step(result)  # noqa: E731
         report += self.guard.run(Phase.EXCHANGE, exchange, epoch, carry={Phase.STEP: (report, result, slept)})

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU in
 
 CUDA = [
     "model=test_resnet", "data=digits", "logger=none", "trainer.progress=false", "trainer.device=cuda", "amp=torch",
-    "trainer.max_steps=6", "trainer.checkpoint_every=0",
+    "amp.dtype=float16", "trainer.max_steps=6", "trainer.checkpoint_every=0",
 ]  # fmt: skip
 # sync option -> (processes it needs, overrides that make it do its exchange within 6 steps)
 OPTIONS = {
@@ -186,3 +186,48 @@ def _on_cuda(value, moved: dict):
     if isinstance(value, (list, tuple)):
         return type(value)(_on_cuda(item, moved) for item in value)
     return value
+
+
+def test_the_gpu_defaults_train_in_bfloat16_channels_last_and_time_on_the_gpu(tmp_path):
+    """amp=auto, channels_last auto, cudnn.benchmark: bfloat16 autocast without a loss scale on a GPU that has it;
+    compute_s and comm_s are the GPU's own times (CUDA events; NCCL's events for the allreduce), both > 0."""
+    common = [o for o in CUDA if not o.startswith("amp")]
+    summary, metrics = train(tmp_path, *common, "trainer.nproc=1")
+    assert summary["finished"] and summary["steps"] == 6
+    steps = records(metrics, "train")
+    assert all("loss_scale" not in r for r in steps) == torch.cuda.is_bf16_supported()
+    assert all(r["compute_s"] > 0 and r["comm_s"] > 0 for r in steps[1:]), steps
+    assert "channels_last" in (tmp_path / "train.log").read_text()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_relaxed_sync_trains_with_apex(tmp_path, opt_level):
+    """``python train.py sync=relaxed amp=apex``: apex's loss scale in the records, every loss finite."""
+    pytest.importorskip("apex.amp", reason="NVIDIA apex not installed (make apex APEX_SRC=...)")
+    common = [o for o in CUDA if not o.startswith("amp")]
+    summary, metrics = train(
+        tmp_path, *common, "sync=relaxed", "sync.check_every=2", "amp=apex", f"amp.opt_level={opt_level}",
+        "trainer.nproc=1",
+    )  # fmt: skip
+    assert summary["finished"] and summary["steps"] == 6
+    steps = records(metrics, "train")
+    assert all(math.isfinite(r["loss"]) for r in steps) and steps[0]["loss_scale"] > 1
+
+
+def test_relaxed_sync_evicts_a_gpu_slow_on_its_device(tmp_path):
+    """Three nodes on NCCL (sharing the GPU as NCCL hosts of their own where there is one GPU), the third's GPU
+    slowed 5x from epoch 2 (straggler=device: torch.cuda._sleep on its stream, its CPU at full speed): relaxed sync,
+    measuring each rank's compute on its GPU, evicts it at the first check after (step 21)."""
+    from test_faults import SHRINK, finish, start_nodes
+
+    run_dir = tmp_path / "run"
+    overrides = [o for o in SHRINK if not o.startswith(("trainer.on_failure", "trainer.hang_timeout_s"))]
+    nodes = start_nodes(
+        3, run_dir, *overrides, "trainer.device=cuda", "trainer.epochs=2", "sync=relaxed",
+        "sync.relaxed_sync_threshold=2.0", "sync.check_every=7", "straggler=device", "straggler.start_epoch=2",
+        "straggler.ranks=[2]", "straggler.slowdown=5.0",
+    )  # fmt: skip
+    metrics = finish(nodes, run_dir)
+    (evict,) = [e for e in records(metrics, "event") if e["event"] == "evict"]
+    assert evict["ranks"] == [2] and evict["measure"] == "compute", evict
+    assert evict["times"]["2"] > 2.0 * evict["reference"]

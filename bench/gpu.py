@@ -1,0 +1,297 @@
+"""One GPU: ``train.py`` against a plain torch loop, the input pipeline's own rate, and NCCL's recoveries.
+
+    python -m bench.gpu                  # on a GPU machine (make bench-gpu): writes bench/results/gpu-<date>.json
+    python -m bench.gpu --smoke          # anywhere, in a minute: the same steps, tiny, on the CPU (a test runs it)
+
+1. **Step speed.** Images/s of ``train.py`` (``sync=allreduce``, one process, ``data=synthetic`` with uint8 images
+   made by the loader's workers, normalized on the device one batch ahead) against a plain torch loop that trains the
+   same timm model on one batch already on the device: the same batch size, precision (bfloat16 autocast where the
+   GPU has it, else float16 with a GradScaler), memory format (channels_last), ``cudnn.benchmark`` and compile
+   setting, one ``loss.item()`` per step as the trainer's. Both run in one invocation, on the same GPU, one after the
+   other; medians over steps ``--skip`` and later. The trainer's records also give its data wait, GPU compute and
+   GPU communication per step.
+2. **The loader's own rate**: images/s of the imagefolder loaders (real JPEG files written at bench time, decoded
+   and augmented by the workers, normalized on the device) with no model, ``data.num_workers=auto``.
+3. **NCCL recoveries** (``--faults``, on by default on a GPU): ``make test-gpu``'s kill cases (three torchrun nodes,
+   one killed, under allreduce, DGC and local SGD; a node lost in a ring of four), each node an NCCL host of its own
+   on the shared GPU; every ``rank_lost`` event's ``recovery_s``. On the CPU (``--smoke``) the cases are only
+   collected, so that a renamed test fails here and not on the next GPU.
+
+Writes ``bench/results/gpu-<date>.json`` (``device``, ``torch``, ``nccl``, ``ours_img_s``, ``plain_img_s``,
+``ratio``, ``recovery_s`` and every figure) and ``docs/benchmarks/gpu.md``; ``--out`` puts both elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+FAULT_CASES = "killed_node_leaves or ring_of_four"
+
+PLAIN = r"""
+import json, statistics, sys, time
+import timm, torch
+a = json.loads(sys.argv[1])
+device = torch.device(a["device"])
+torch.backends.cudnn.benchmark = a["cudnn_benchmark"]
+fmt = torch.channels_last if a["channels_last"] else torch.contiguous_format
+model = timm.create_model(a["model"], num_classes=a["classes"]).to(device).to(memory_format=fmt)
+if a["compile"]:
+    model.compile(backend=a["compile_backend"])
+dtype = getattr(torch, a["dtype"]) if a["dtype"] else None
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+x = torch.randn(a["batch"], 3, a["size"], a["size"], device=device).contiguous(memory_format=fmt)
+y = torch.randint(a["classes"], (a["batch"],), device=device)
+times = []
+for _ in range(a["steps"]):
+    start = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    loss.item()  # one drain a step, as the trainer's
+    times.append(time.perf_counter() - start)
+print(json.dumps({"step_s": statistics.median(times[a["skip"]:])}))
+"""
+
+
+def environment(device: str) -> dict[str, Any]:
+    import timm
+    import torch
+
+    env: dict[str, Any] = {"torch": torch.__version__, "timm": timm.__version__, "cpus": os.cpu_count()}
+    if device == "cuda":
+        env["device"] = torch.cuda.get_device_name()
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        env["bf16"] = torch.cuda.is_bf16_supported()
+    else:
+        env["device"], env["nccl"], env["bf16"] = "cpu", None, True
+    return env
+
+
+def plain_loop(settings: dict[str, Any]) -> float:
+    """Seconds per step (median) of the plain loop, in a process of its own."""
+    out = subprocess.run(
+        [sys.executable, "-c", PLAIN, json.dumps(settings)], capture_output=True, text=True, cwd=ROOT, check=False
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"the plain loop failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["step_s"]
+
+
+def ours(overrides: list[str], run_dir: Path, skip: int) -> dict[str, float]:
+    """``train.py`` as a user runs it; medians of its own records from step ``skip`` on."""
+    cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"trainer.run_dir={run_dir}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(env, WANDB_SILENT="true"))
+    (run_dir / "train.out").write_text(out.stdout + out.stderr)
+    if out.returncode != 0:
+        raise RuntimeError(f"train.py failed ({' '.join(overrides)}):\n{(out.stdout + out.stderr)[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "train" and r["step"] >= skip]
+    figures = {k: statistics.median(r[k] for r in steps) for k in ("step_s", "data_s", "compute_s", "comm_s")}
+    figures["img_s"] = statistics.median(r["samples_per_s"] for r in steps)
+    figures["steps"] = len(steps)
+    return figures
+
+
+def write_jpegs(root: Path, num_images: int, classes: int = 4, size: tuple[int, int] = (500, 375)) -> None:
+    """An ImageNet-layout folder of real JPEGs (smooth random images, ImageNet's typical size), train and val."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, count in (("train", num_images), ("val", max(classes, num_images // 8))):
+        for i in range(count):
+            folder = root / split / f"class{i % classes}"
+            folder.mkdir(parents=True, exist_ok=True)
+            low = rng.integers(0, 256, (size[1] // 16, size[0] // 16, 3), dtype=np.uint8)
+            Image.fromarray(low).resize(size, Image.BILINEAR).save(folder / f"{i}.jpg", quality=90)
+
+
+def loader_rate(root: Path, device: str, batch: int, batches: int, image_size: int) -> dict[str, float]:
+    """Images/s of the imagefolder training loader alone (workers decode and augment; the device normalizes)."""
+    import torch
+
+    from data.common import Loaders, resolve_num_workers
+    from data.imagefolder import build
+
+    data = build(str(root), image_size=image_size)
+    loaders = Loaders(data, batch, "auto", 0, torch.device(device), channels_last=device == "cuda")
+    loaders.build(1, 0)
+    loaders.start_epoch(1)
+    it = iter(loaders.train)
+    next(it)  # (the workers start and fill their queues)
+    start, n = time.perf_counter(), 0
+    for _ in range(batches):
+        try:
+            x, _ = next(it)
+        except StopIteration:
+            break
+        n += len(x)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {"img_s": n / seconds, "num_workers": resolve_num_workers("auto"), "images": n}
+
+
+def fault_recoveries(smoke: bool, basetemp: Path, timeout_s: float) -> dict[str, Any]:
+    """``make test-gpu``'s kill cases on NCCL and each ``rank_lost`` event's recovery (collected only under smoke)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "", "-p", "no:cacheprovider", f"--basetemp={basetemp}",
+           "tests/test_faults.py", "-k", FAULT_CASES]  # fmt: skip
+    if smoke:
+        cmd.append("--collect-only")
+    else:
+        cmd[3:3] = ["-n", "4"] if _has_xdist() else []
+    env = dict(os.environ, RELAXSYNC_TEST_GPU="0" if smoke else "1")
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout_s)
+        tail, code = out.stdout[-2000:], out.returncode
+    except subprocess.TimeoutExpired as e:
+        tail, code = f"timed out after {timeout_s:.0f} s\n{(e.stdout or b'')[-2000:]!r}", None
+    cases = [line for line in tail.splitlines() if "test_faults.py::" in line]
+    events = []
+    for path in sorted(basetemp.rglob("metrics.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("event") == "rank_lost":
+                config = (path.parent / "config.yaml").read_text() if (path.parent / "config.yaml").exists() else ""
+                sync = next(
+                    (ln.split(":")[-1].strip() for ln in config.splitlines() if "_target_: algorithms" in ln), ""
+                )
+                events.append({"run": path.parent.parent.name, "sync": sync, "ranks": record["ranks"],
+                               "redo": record.get("redo"), "recovery_s": record["recovery_s"]})  # fmt: skip
+    return {"exit": code, "summary": tail.strip().splitlines()[-1:] or [""], "cases": cases, "rank_lost": events}
+
+
+def _has_xdist() -> bool:
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny, on the CPU: that every step still runs")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--steps", type=int, default=60, help="steps of each run; medians from --skip on")
+    p.add_argument("--skip", type=int, default=10)
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--compile", action="store_true", help="model.compile=true on both sides")
+    p.add_argument("--images", type=int, default=2048, help="JPEGs of the loader's folder")
+    p.add_argument("--faults", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--faults-timeout", type=float, default=300.0)
+    p.add_argument("--out", type=Path, help="where the JSON and the markdown go (default: the repository's)")
+    a = p.parse_args(argv)
+    import torch
+
+    device = "cpu" if a.smoke or not torch.cuda.is_available() else "cuda"
+    if a.smoke:
+        a.batch, a.steps, a.skip, a.model, a.images = 8, 6, 2, "test_resnet", 48
+    size, classes = (32, 10) if a.smoke else (224, 1000)
+    env = environment(device)
+    dtype = None if device == "cpu" else ("bfloat16" if env["bf16"] else "float16")
+    backend = "eager" if a.smoke else "inductor"
+    print(f"bench.gpu: {env['device']}, torch {env['torch']}, NCCL {env['nccl']}, {env['cpus']} CPUs", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    result: dict[str, Any] = {
+        **env, "date": datetime.date.today().isoformat(), "batch": a.batch, "model": a.model,
+        "precision": dtype or "float32", "channels_last": device == "cuda", "cudnn_benchmark": True,
+        "compile": a.compile, "steps": a.steps, "skip": a.skip,
+    }  # fmt: skip
+
+    plain = {"device": device, "model": a.model, "classes": classes, "batch": a.batch, "size": size, "dtype": dtype,
+             "channels_last": device == "cuda", "cudnn_benchmark": True, "compile": a.compile,
+             "compile_backend": backend, "steps": a.steps, "skip": a.skip}  # fmt: skip
+    result["plain_img_s"] = a.batch / plain_loop(plain)
+    print(f"  plain torch loop: {result['plain_img_s']:.0f} img/s", flush=True)
+    overrides = [
+        "sync=allreduce", "trainer.nproc=1", f"trainer.device={device}", f"model={a.model}", "data=synthetic",
+        "data.dtype=uint8", f"data.image_size={size}", f"data.num_classes={classes}", f"data.batch_size={a.batch}",
+        f"data.num_samples={a.batch * (a.steps + 1)}", f"data.num_val_samples={a.batch}", "data.num_workers=auto",
+        "logger=none", "trainer.progress=false", "trainer.epochs=1", f"trainer.max_steps={a.steps}",
+        "trainer.checkpoint_every=0", f"model.compile={str(a.compile).lower()}", f"model.compile_backend={backend}",
+    ]  # fmt: skip
+    figures = ours(overrides, work / "ours", a.skip)
+    result.update({"ours_img_s": figures["img_s"], "ours_steps": figures["steps"]})
+    result.update({f"ours_{k}": figures[k] for k in ("step_s", "data_s", "compute_s", "comm_s")})
+    result["ratio"] = result["ours_img_s"] / result["plain_img_s"]
+    print(f"  train.py: {figures['img_s']:.0f} img/s (ratio {result['ratio']:.3f}); per step: data wait "
+          f"{figures['data_s'] * 1e3:.2f} ms, GPU compute {figures['compute_s'] * 1e3:.2f} ms, GPU comm "
+          f"{figures['comm_s'] * 1e3:.2f} ms", flush=True)  # fmt: skip
+
+    folder = work / "jpegs"
+    write_jpegs(folder, a.images)
+    rate = loader_rate(folder, device, a.batch if not a.smoke else 8, 6 if a.smoke else 30, size)
+    result.update({"loader_img_s": rate["img_s"], "loader_workers": rate["num_workers"]})
+    print(f"  imagefolder loader: {rate['img_s']:.0f} img/s ({rate['num_workers']} workers)", flush=True)
+
+    faults = fault_recoveries(a.smoke or device == "cpu", work / "faults", a.faults_timeout) if a.faults else {}
+    result["faults"] = faults
+    result["recovery_s"] = [e["recovery_s"] for e in faults.get("rank_lost", [])]
+    for e in faults.get("rank_lost", []):
+        print(f"  {e['sync']} ({e['run']}): lost {e['ranks']}, redo {e['redo']}, recovery {e['recovery_s']:.2f} s")
+    if faults:
+        print(f"  fault tests: {faults['summary'][0]} ({len(faults['cases'])} cases)", flush=True)
+
+    out = a.out or ROOT
+    json_path = (out / "bench" / "results" if a.out is None else out) / f"gpu-{result['date']}.json"
+    md_path = (out / "docs" / "benchmarks" if a.out is None else out) / "gpu.md"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    md_path.write_text(markdown(result, " ".join(["python -m bench.gpu", *(argv or sys.argv[1:])])))
+    print(f"bench.gpu: wrote {json_path} and {md_path}", flush=True)
+    return result
+
+
+def markdown(r: dict[str, Any], command: str) -> str:
+    recoveries = ", ".join(f"{s:.2f}" for s in r["recovery_s"]) or "none measured"
+    faults = r["faults"]["summary"][0] if r["faults"] else "not run"
+    rows = [
+        ("plain torch loop (same model, batch, precision, layout, cudnn.benchmark, compile)", f"{r['plain_img_s']:.0f}"),  # noqa: E501
+        ("`train.py` (sync=allreduce, one process, uint8 synthetic images via the loaders)", f"{r['ours_img_s']:.0f}"),
+        ("ratio (ours / plain)", f"{r['ratio']:.3f}"),
+        ("imagefolder loader alone (JPEGs decoded by the workers)", f"{r['loader_img_s']:.0f}"),
+    ]  # fmt: skip
+    lines = [
+        "# One GPU: train.py against a plain torch loop, the loader, NCCL recoveries",
+        "",
+        f"`{command}` (`make bench-gpu`), {r['date']}: {r['device']}, torch {r['torch']}, NCCL {r['nccl']}, "
+        f"{r['cpus']} CPUs; {r['model']}, batch {r['batch']}, {r['precision']}, channels_last {r['channels_last']}, "
+        f"cudnn.benchmark, compile {r['compile']}; medians of steps {r['skip']}-{r['steps'] - 1}. "
+        "Both loops run in one invocation on the same GPU. Raw figures: `bench/results/gpu-<date>.json`.",
+        "",
+        "| what | images/s |",
+        "| --- | --- |",
+        *(f"| {a} | {b} |" for a, b in rows),
+        "",
+        f"Per step of `train.py`: data wait {r['ours_data_s'] * 1e3:.2f} ms, GPU compute "
+        f"{r['ours_compute_s'] * 1e3:.2f} ms, GPU communication {r['ours_comm_s'] * 1e3:.2f} ms, "
+        f"step {r['ours_step_s'] * 1e3:.2f} ms "
+        f"(the loader's workers: {r['loader_workers']}).",
+        "",
+        f"NCCL kill cases (`make test-gpu`'s): {faults}; "
+        f"`recovery_s` of each `rank_lost`: {recoveries}.",
+        "",
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""``make bench-gpu`` on the CPU (``--smoke``): every step of the GPU bench runs (the plain loop, train.py through the
+loaders, the JPEG folder through the imagefolder loader, the NCCL kill cases collected), so it cannot rot between
+the times a GPU is at hand; the results carry the fields a GPU run is read by."""
+
+from __future__ import annotations
+
+import json
+
+from bench import gpu
+
+
+def test_the_gpu_bench_runs_on_the_cpu_and_writes_its_results(tmp_path):
+    result = gpu.main(["--smoke", "--out", str(tmp_path)])
+    (written,) = tmp_path.glob("gpu-*.json")
+    assert json.loads(written.read_text()) == result
+    for key in ("device", "torch", "ours_img_s", "plain_img_s", "ratio", "recovery_s", "loader_img_s"):
+        assert key in result, key
+    assert result["ours_img_s"] > 0 and result["plain_img_s"] > 0 and result["loader_img_s"] > 0
+    assert result["ratio"] == result["ours_img_s"] / result["plain_img_s"]
+    assert result["ours_steps"] == result["steps"] - result["skip"]  # the medians are over the steps asked for
+    # the kill cases a GPU run times: allreduce, DGC and local SGD losing a node of three, and the ring of four
+    assert len(result["faults"]["cases"]) == 4, result["faults"]
+    assert result["recovery_s"] == []  # (collected, not run, on the CPU)
+    assert "| ratio (ours / plain) |" in (tmp_path / "gpu.md").read_text()
