@@ -14,8 +14,10 @@
    and augmented by the workers, normalized on the device) with no model, ``data.num_workers=auto``.
 3. **NCCL recoveries** (``--faults``, on by default on a GPU): ``make test-gpu``'s kill cases (three torchrun nodes,
    one killed, under allreduce, DGC and local SGD; a node lost in a ring of four), each node an NCCL host of its own
-   on the shared GPU; every ``rank_lost`` event's ``recovery_s``. On the CPU (``--smoke``) the cases are only
-   collected, so that a renamed test fails here and not on the next GPU.
+   on the shared GPU; every ``rank_lost`` event's ``recovery_s``. Beside them, the GPU tests ``--gpu-tests`` names
+   (the GPU defaults, ``sync=relaxed amp=apex`` at O1 and O2, a GPU straggler evicted), with each test's outcome.
+   On the CPU (``--smoke``) the cases are only collected, so that a renamed test fails here and not on the next
+   GPU.
 
 Writes ``bench/results/gpu-<date>.json`` (``device``, ``torch``, ``nccl``, ``ours_img_s``, ``plain_img_s``,
 ``ratio``, ``recovery_s`` and every figure) and ``docs/benchmarks/gpu.md``; ``--out`` puts both elsewhere.
@@ -37,6 +39,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULT_CASES = "killed_node_leaves or ring_of_four"
+STEP_TIMEOUT_S = 240  # each of the two training runs
 
 PLAIN = r"""
 import json, statistics, sys, time
@@ -84,9 +87,8 @@ def environment(device: str) -> dict[str, Any]:
 
 def plain_loop(settings: dict[str, Any]) -> float:
     """Seconds per step (median) of the plain loop, in a process of its own."""
-    out = subprocess.run(
-        [sys.executable, "-c", PLAIN, json.dumps(settings)], capture_output=True, text=True, cwd=ROOT, check=False
-    )
+    cmd = [sys.executable, "-c", PLAIN, json.dumps(settings)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False, timeout=STEP_TIMEOUT_S)
     if out.returncode != 0:
         raise RuntimeError(f"the plain loop failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["step_s"]
@@ -96,7 +98,8 @@ def ours(overrides: list[str], run_dir: Path, skip: int) -> dict[str, float]:
     """``train.py`` as a user runs it; medians of its own records from step ``skip`` on."""
     cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"trainer.run_dir={run_dir}"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(env, WANDB_SILENT="true"))
+    env = dict(env, WANDB_SILENT="true")
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=STEP_TIMEOUT_S)
     (run_dir / "train.out").write_text(out.stdout + out.stderr)
     if out.returncode != 0:
         raise RuntimeError(f"train.py failed ({' '.join(overrides)}):\n{(out.stdout + out.stderr)[-3000:]}")
@@ -148,33 +151,43 @@ def loader_rate(root: Path, device: str, batch: int, batches: int, image_size: i
     return {"img_s": n / seconds, "num_workers": resolve_num_workers("auto"), "images": n}
 
 
-def fault_recoveries(smoke: bool, basetemp: Path, timeout_s: float) -> dict[str, Any]:
-    """``make test-gpu``'s kill cases on NCCL and each ``rank_lost`` event's recovery (collected only under smoke)."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "", "-p", "no:cacheprovider", f"--basetemp={basetemp}",
-           "tests/test_faults.py", "-k", FAULT_CASES]  # fmt: skip
+def fault_recoveries(smoke: bool, basetemp: Path, timeout_s: float, gpu_tests: str, log: Path) -> dict[str, Any]:
+    """``make test-gpu``'s kill cases on NCCL, run beside the GPU tests named by ``gpu_tests`` (a ``-k`` expression
+    over tests/test_gpu.py); each test's outcome and each ``rank_lost`` event's recovery. Under smoke, collected
+    only."""
+    selection = f"({FAULT_CASES}) or ({gpu_tests})" if gpu_tests else FAULT_CASES
+    files = ["tests/test_faults.py", *(["tests/test_gpu.py"] if gpu_tests else [])]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-m", "", "-p", "no:cacheprovider", f"--basetemp={basetemp}",
+           *files, "-k", selection]  # fmt: skip
     if smoke:
         cmd.append("--collect-only")
-    else:
-        cmd[3:3] = ["-n", "4"] if _has_xdist() else []
+    elif _has_xdist():
+        cmd[3:3] = ["-n", "8"]
     env = dict(os.environ, RELAXSYNC_TEST_GPU="0" if smoke else "1")
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout_s)
-        tail, code = out.stdout[-2000:], out.returncode
+        text, code = out.stdout + out.stderr, out.returncode
     except subprocess.TimeoutExpired as e:
-        tail, code = f"timed out after {timeout_s:.0f} s\n{(e.stdout or b'')[-2000:]!r}", None
-    cases = [line for line in tail.splitlines() if "test_faults.py::" in line]
+        text, code = f"{e.stdout or b''!r}\ntimed out after {timeout_s:.0f} s", None
+    log.write_text(text)
+    cases = [line.strip() for line in text.splitlines() if line.strip().startswith("tests/") and "::" in line]
+    outcomes = {}
+    for line in text.splitlines():
+        word, _, rest = line.partition(" ")
+        if word in ("PASSED", "FAILED", "SKIPPED", "ERROR") and "::" in rest:
+            outcomes[rest.split(" - ")[0].strip()] = word
     events = []
     for path in sorted(basetemp.rglob("metrics.jsonl")):
         for line in path.read_text().splitlines():
             record = json.loads(line)
             if record.get("event") == "rank_lost":
-                config = (path.parent / "config.yaml").read_text() if (path.parent / "config.yaml").exists() else ""
-                sync = next(
-                    (ln.split(":")[-1].strip() for ln in config.splitlines() if "_target_: algorithms" in ln), ""
-                )
+                config = path.parent / "config.yaml"
+                lines = config.read_text().splitlines() if config.exists() else []
+                sync = next((ln.split(":")[-1].strip() for ln in lines if "_target_: algorithms" in ln), "")
                 events.append({"run": path.parent.parent.name, "sync": sync, "ranks": record["ranks"],
                                "redo": record.get("redo"), "recovery_s": record["recovery_s"]})  # fmt: skip
-    return {"exit": code, "summary": tail.strip().splitlines()[-1:] or [""], "cases": cases, "rank_lost": events}
+    summary = text.strip().splitlines()[-1:] or [""]
+    return {"exit": code, "summary": summary, "cases": cases, "tests": outcomes, "rank_lost": events}
 
 
 def _has_xdist() -> bool:
@@ -196,6 +209,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--images", type=int, default=2048, help="JPEGs of the loader's folder")
     p.add_argument("--faults", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--faults-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--gpu-tests",
+        default="gpu_defaults or trains_with_apex or slow_on_its_device",
+        help="a -k expression of tests/test_gpu.py run beside the kill cases ('' for none)",
+    )
     p.add_argument("--out", type=Path, help="where the JSON and the markdown go (default: the repository's)")
     a = p.parse_args(argv)
     import torch
@@ -218,8 +236,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plain = {"device": device, "model": a.model, "classes": classes, "batch": a.batch, "size": size, "dtype": dtype,
              "channels_last": device == "cuda", "cudnn_benchmark": True, "compile": a.compile,
              "compile_backend": backend, "steps": a.steps, "skip": a.skip}  # fmt: skip
-    result["plain_img_s"] = a.batch / plain_loop(plain)
-    print(f"  plain torch loop: {result['plain_img_s']:.0f} img/s", flush=True)
+    out = a.out or ROOT
+    json_path = (out / "bench" / "results" if a.out is None else out) / f"gpu-{result['date']}.json"
+    md_path = (out / "docs" / "benchmarks" if a.out is None else out) / "gpu.md"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    nan = float("nan")
+    result.update(plain_img_s=nan, ours_img_s=nan, ratio=nan, loader_img_s=nan, loader_workers=0, recovery_s=[])
+    result.update(ours_step_s=nan, ours_data_s=nan, ours_compute_s=nan, ours_comm_s=nan, faults={}, errors={})
+
+    def save() -> None:  # (after each part: a run cut short keeps what it measured)
+        json_path.write_text(json.dumps(result, indent=1) + "\n")
+        md_path.write_text(markdown(result, " ".join(["python -m bench.gpu", *(argv or sys.argv[1:])])))
+
+    try:
+        result["plain_img_s"] = a.batch / plain_loop(plain)
+        print(f"  plain torch loop: {result['plain_img_s']:.0f} img/s", flush=True)
+    except (RuntimeError, subprocess.TimeoutExpired) as error:
+        result["errors"]["plain"] = str(error)[-2000:]
+        print(f"  plain torch loop failed: {str(error)[-500:]}", flush=True)
+    save()
     overrides = [
         "sync=allreduce", "trainer.nproc=1", f"trainer.device={device}", f"model={a.model}", "data=synthetic",
         "data.dtype=uint8", f"data.image_size={size}", f"data.num_classes={classes}", f"data.batch_size={a.batch}",
@@ -227,35 +263,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "logger=none", "trainer.progress=false", "trainer.epochs=1", f"trainer.max_steps={a.steps}",
         "trainer.checkpoint_every=0", f"model.compile={str(a.compile).lower()}", f"model.compile_backend={backend}",
     ]  # fmt: skip
-    figures = ours(overrides, work / "ours", a.skip)
-    result.update({"ours_img_s": figures["img_s"], "ours_steps": figures["steps"]})
-    result.update({f"ours_{k}": figures[k] for k in ("step_s", "data_s", "compute_s", "comm_s")})
-    result["ratio"] = result["ours_img_s"] / result["plain_img_s"]
-    print(f"  train.py: {figures['img_s']:.0f} img/s (ratio {result['ratio']:.3f}); per step: data wait "
-          f"{figures['data_s'] * 1e3:.2f} ms, GPU compute {figures['compute_s'] * 1e3:.2f} ms, GPU comm "
-          f"{figures['comm_s'] * 1e3:.2f} ms", flush=True)  # fmt: skip
+    try:
+        figures = ours(overrides, work / "ours", a.skip)
+        result.update({"ours_img_s": figures["img_s"], "ours_steps": figures["steps"]})
+        result.update({f"ours_{k}": figures[k] for k in ("step_s", "data_s", "compute_s", "comm_s")})
+        result["ratio"] = result["ours_img_s"] / result["plain_img_s"]
+        print(f"  train.py: {figures['img_s']:.0f} img/s (ratio {result['ratio']:.3f}); per step: data wait "
+              f"{figures['data_s'] * 1e3:.2f} ms, GPU compute {figures['compute_s'] * 1e3:.2f} ms, GPU comm "
+              f"{figures['comm_s'] * 1e3:.2f} ms", flush=True)  # fmt: skip
+    except (RuntimeError, subprocess.TimeoutExpired) as error:
+        result["errors"]["ours"] = str(error)[-2000:]
+        print(f"  train.py failed: {str(error)[-1500:]}", flush=True)
+    save()
 
     folder = work / "jpegs"
     write_jpegs(folder, a.images)
     rate = loader_rate(folder, device, a.batch if not a.smoke else 8, 6 if a.smoke else 30, size)
     result.update({"loader_img_s": rate["img_s"], "loader_workers": rate["num_workers"]})
     print(f"  imagefolder loader: {rate['img_s']:.0f} img/s ({rate['num_workers']} workers)", flush=True)
+    save()
 
-    faults = fault_recoveries(a.smoke or device == "cpu", work / "faults", a.faults_timeout) if a.faults else {}
+    faults = {}
+    if a.faults:
+        log = (out if a.out else work) / "faults.log"
+        faults = fault_recoveries(a.smoke or device == "cpu", work / "faults", a.faults_timeout, a.gpu_tests, log)
     result["faults"] = faults
     result["recovery_s"] = [e["recovery_s"] for e in faults.get("rank_lost", [])]
     for e in faults.get("rank_lost", []):
         print(f"  {e['sync']} ({e['run']}): lost {e['ranks']}, redo {e['redo']}, recovery {e['recovery_s']:.2f} s")
+    for test, outcome in faults.get("tests", {}).items():
+        print(f"  {outcome} {test}")
     if faults:
-        print(f"  fault tests: {faults['summary'][0]} ({len(faults['cases'])} cases)", flush=True)
+        print(f"  tests: {faults['summary'][0]} ({len(faults['cases'])} collected)", flush=True)
 
-    out = a.out or ROOT
-    json_path = (out / "bench" / "results" if a.out is None else out) / f"gpu-{result['date']}.json"
-    md_path = (out / "docs" / "benchmarks" if a.out is None else out) / "gpu.md"
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    md_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
-    md_path.write_text(markdown(result, " ".join(["python -m bench.gpu", *(argv or sys.argv[1:])])))
+    save()
     print(f"bench.gpu: wrote {json_path} and {md_path}", flush=True)
     return result
 
