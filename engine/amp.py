@@ -219,12 +219,13 @@ class ApexAmp(AmpBackend):
     overflow, from the state it saved before ``scale_loss``, so every rank keeps the same loss scale.
 
     Opt levels: O0 trains in float32 (a loss scale still applies); O1 patches torch functions to run in float16 where
-    safe, the model stays float32; O2 casts the model to float16 (batch norm stays float32) and the optimizer steps
-    float32 master copies, which apex copies into the model after each step; O3 casts the whole model to float16, no
-    masters. Under O2 the masters are made at ``setup`` (apex makes them at the first ``zero_grad`` or backward), so
-    a sync algorithm that reads the optimizer's parameters (DGC) holds those the optimizer steps, and they travel in
-    ``state_dict``: a resumed, healed or joining process continues from them exactly. A sync algorithm that writes
-    the model itself is rejected under O2 (``validate``): the masters would overwrite what it wrote.
+    safe, the model stays float32 (the casts are on inside ``autocast()`` only); O2 casts the model to float16 (batch
+    norm stays float32) and the optimizer steps float32 master copies, which apex copies into the model after each
+    step; O3 casts the whole model to float16, no masters. Under O2 the masters are made at ``setup`` (apex makes them
+    at the first ``zero_grad`` or backward), so a sync algorithm that reads the optimizer's parameters (DGC) holds
+    those the optimizer steps, and they travel in ``state_dict``: a resumed, healed or joining process continues from
+    them exactly. A sync algorithm that writes the model itself is rejected under O2 (``validate``): the masters
+    would overwrite what it wrote.
     """
 
     name = "apex"
@@ -269,7 +270,29 @@ class ApexAmp(AmpBackend):
         if self.master_weights:
             optimizer._amp_lazy_init()  # the float32 masters replace the model's parameters in the optimizer
         self.optimizer = optimizer
+        self._casts_off()
         return model, optimizer
+
+    def autocast(self):
+        return self._casting() if self.opt_level == "O1" else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _casting(self):
+        """O1's casts, on where the other backends autocast (the forward pass and the loss). apex patches torch's
+        functions for the whole process, and on everywhere they would break code around the model: an evaluation's
+        float64 sums (apex refuses to promote float32 with float64). Its cache of float16 weights is dropped after
+        each forward, so a forward after the weights changed in place (an average before an evaluation) casts anew."""
+        handle = self.amp._amp_state.handle
+        handle._is_active = True
+        try:
+            yield
+        finally:
+            handle._is_active = False
+            handle._clear_cache()
+
+    def _casts_off(self) -> None:
+        if self.opt_level == "O1":  # (apex's O1 optimizer step turns them on again when it returns)
+            self.amp._amp_state.handle._is_active = False
 
     def zero_grad(self, optimizer):
         if not self.master_weights:
@@ -313,6 +336,7 @@ class ApexAmp(AmpBackend):
             self._skip_as_apex(optimizer)
             return False
         optimizer.step()
+        self._casts_off()
         return True
 
     def _skip_as_apex(self, optimizer) -> None:

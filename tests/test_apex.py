@@ -62,6 +62,19 @@ class StubScaler:
         return should_skip
 
 
+class StubHandle:
+    """``apex.amp.handle.AmpHandle`` (O1): the switch of apex's patched torch functions, and their float16 casts."""
+
+    def __init__(self):
+        self._is_active, self.cache = True, {}
+
+    def is_active(self):
+        return self._is_active
+
+    def _clear_cache(self):
+        self.cache.clear()
+
+
 class StubAmp(types.ModuleType):
     """``apex.amp``: ``initialize`` (O2 casts the model to float16, batch norm aside, and patches the optimizer for
     float32 masters: ``step``, a ``zero_grad`` without arguments), ``scale_loss`` (unscales, stops at the first
@@ -71,6 +84,16 @@ class StubAmp(types.ModuleType):
         self._amp_state = types.SimpleNamespace(loss_scalers=[StubScaler(loss_scale)])
         self.master_weights = opt_level == "O2"
         optimizer._amp_stash = types.SimpleNamespace(already_patched=False, lazy_init_called=False)
+        if opt_level == "O1":  # apex.amp.init: torch's functions patched, on; the step runs with them off
+            handle = self._amp_state.handle = StubHandle()
+            real_step = optimizer.step
+
+            def step(closure=None):
+                handle._is_active = False
+                real_step()
+                handle._is_active = True
+
+            optimizer.step = step
         if self.master_weights:
             model.half()
             for module in model.modules():
@@ -325,6 +348,20 @@ def test_a_step_redone_after_a_lost_peer_counts_once_in_apexs_scale(flavor, leve
     assert not optimizer._amp_stash.already_patched and (scaler.loss_scale(), scaler._unskipped) == (512.0, 0)
     assert train_step(model, optimizer, backend, 3) == (True, True)
     assert (scaler.loss_scale(), scaler._unskipped) == (512.0, 1)
+
+
+def test_o1_casts_only_inside_autocast_and_casts_weights_anew_each_time(monkeypatch):
+    """apex's O1 patches torch's functions for the whole process, and refuses to promote float32 with float64 (an
+    evaluation's sums): its casts are on where the other backends autocast, and nowhere else."""
+    model, optimizer, backend = build("stub", "O1", monkeypatch)
+    handle = backend.amp._amp_state.handle
+    assert not handle.is_active()
+    with backend.autocast():
+        assert handle.is_active()
+        handle.cache["weight"] = "its float16 cast"
+    assert not handle.is_active() and not handle.cache  # (weights changed in place before the next forward)
+    train_step(model, optimizer, backend, 0)  # apex's O1 step turns them on again as it returns
+    assert not handle.is_active()
 
 
 # ---- O2's masters ---------------------------------------------------------------------------------------------------
