@@ -21,7 +21,6 @@ so the optimizer is plain SGD (``optimizer=momentum`` or ``optimizer=sgd``; LARS
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import torch
@@ -211,8 +210,9 @@ class DGC(SyncAlgorithm):
 
     # ---- the exchange ------------------------------------------------------------------------------------------
     def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
-        compute_end = time.perf_counter()
         comm, n = self.ctx.comm, self.ctx.comm.size
+        clock = comm.clock  # (on a GPU, marks on its stream: the compute's end, the compression's span)
+        compute_end = clock.mark()
         self._settle(step)
         sparsity = sparsity_at(step, self.rampup_begin_step, self.rampup_step, self.sparsity)
         dense_ids = list(range(len(self.params))) if sparsity is None else self.small
@@ -249,12 +249,12 @@ class DGC(SyncAlgorithm):
             return SyncReport(compute_end=compute_end, metrics=metrics)
 
         # 2) Compressed tensors: momentum correction, accumulation, selection, sparse allgather.
-        start = time.perf_counter()
+        start = clock.mark()
         if self._accumulated != step:  # (a redo of this step finds its gradient already in the residuals)
             self.accumulate(grads)
             self._accumulated = step
         indices, values, k_total, sent = self._compress(sparsity)
-        compress_s = time.perf_counter() - start
+        compressed = clock.mark()
         # If the allgather fails, what was taken out to be sent stays out until the step is settled (_settle).
         gathered = comm.all_gather(pack(indices, values))  # values and indices in one allgather
         self._commit(dense_u)
@@ -265,6 +265,7 @@ class DGC(SyncAlgorithm):
         for j, i in enumerate(self.compressed):
             self.params[i].grad = update[self.offsets[j] : self.offsets[j + 1]].view_as(self.params[i])
         sent = int(sent)  # (the step's second read back, after the overflow flag; all else is queued by now)
+        compress_s = clock.seconds(start, compressed)  # (on a GPU, reached by now: read back without a wait)
         sent_bytes = 2 * (n - 1) / n * 4 * flat.numel() + (n - 1) * (
             indices.numel() * indices.element_size() + values.numel() * values.element_size()
         )

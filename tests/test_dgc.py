@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from algorithms.base import SyncContext
 from algorithms.dgc import DGC, keep_count, pack, select, sparsity_at, top_magnitudes, unpack
+from distributed.clock import Clock
 from distributed.membership import Membership
 from engine.optim import build_optimizer
 
@@ -205,7 +206,9 @@ def test_a_step_reads_back_from_the_device_the_same_few_times_for_any_number_of_
         model = nn.Sequential(*(nn.Linear(128, 128) for _ in range(layers)))  # weights compressed, biases dense
         dgc = _dgc_on(model, sparsity=[0.999], **options)
         assert len(dgc.compressed) == len(dgc.small) == layers
-        dgc.ctx.comm = SimpleNamespace(size=2, all_reduce=lambda t: t, all_gather=lambda t: [t, t.clone()])
+        dgc.ctx.comm = SimpleNamespace(
+            size=2, all_reduce=lambda t: t, all_gather=lambda t: [t, t.clone()], clock=Clock()
+        )
         for step in range(2):
             for p in model.parameters():
                 p.grad = torch.randn_like(p)
@@ -243,7 +246,10 @@ class _ThreadWorld:
 
     def comm(self, rank: int) -> SimpleNamespace:
         return SimpleNamespace(
-            size=self.size, all_gather=partial(self._gather, rank), all_reduce=partial(self._all_reduce, rank)
+            size=self.size,
+            all_gather=partial(self._gather, rank),
+            all_reduce=partial(self._all_reduce, rank),
+            clock=Clock(),
         )
 
     def _gather(self, rank: int, tensor: torch.Tensor) -> list[torch.Tensor]:

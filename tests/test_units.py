@@ -12,7 +12,7 @@ from conftest import plain_cfg
 
 from data.common import ShardSampler, TrainSampler, resumed_step_in_epoch, steps_per_epoch
 from engine import checkpoint as ckpt
-from engine.amp import ApexAmp, TorchAmp, probe_apex
+from engine.amp import TorchAmp, probe_apex
 from engine.metrics import MetricsWriter, read_metrics, wandb_keys
 from engine.optim import LRSchedule, build_optimizer, effective_lr
 
@@ -219,53 +219,6 @@ def test_finite_step_with_scaler_updates_parameters():
     assert amp.step(opt, grads_finite=True) is True
     for b, g, p in zip(before, grads, model.parameters()):
         torch.testing.assert_close(p.detach(), b - 0.1 * g)  # gradients were unscaled before the step
-
-
-def test_apex_backend_drives_apex_amp(monkeypatch):
-    """The apex code path with a stand-in apex.amp (real apex needs CUDA): initialize, scale_loss, state."""
-    calls = []
-
-    class FakeScaler:
-        _has_overflow = False
-
-    class FakeAmp(types.ModuleType):
-        _amp_state = types.SimpleNamespace(loss_scalers=[FakeScaler()])
-
-        def initialize(self, model, optimizer, opt_level, loss_scale, verbosity):
-            calls.append(("initialize", opt_level, loss_scale))
-            return model, optimizer
-
-        class scale_loss:
-            def __init__(self, loss, optimizer):
-                self.loss = loss
-
-            def __enter__(self):
-                calls.append(("scale_loss",))
-                return self.loss * 128.0
-
-            def __exit__(self, *exc):
-                return False
-
-        def state_dict(self):
-            return {"loss_scaler0": {"loss_scale": 128.0}}
-
-    fake_apex = types.ModuleType("apex")
-    fake_apex.amp = FakeAmp("apex.amp")
-    monkeypatch.setitem(sys.modules, "apex", fake_apex)
-    monkeypatch.setitem(sys.modules, "apex.amp", fake_apex.amp)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert probe_apex() is None
-    ApexAmp.validate({"opt_level": "O2", "loss_scale": "dynamic"}, {}, 1)
-
-    model = _tiny()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp = ApexAmp(opt_level="O2")
-    amp.setup(model, opt, torch.device("cpu"))
-    amp.backward(model(torch.randn(4, 4)).sum(), opt)
-    assert amp.unscale(opt) is True
-    assert amp.step(opt, True) is True
-    assert calls[:2] == [("initialize", "O2", "dynamic"), ("scale_loss",)]
-    assert amp.state_dict() == {"apex_amp": {"loss_scaler0": {"loss_scale": 128.0}}}
 
 
 def test_probe_apex_rejects_the_unrelated_pypi_package(monkeypatch):
