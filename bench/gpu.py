@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--skip", type=int, default=10)
     p.add_argument("--model", default="resnet50")
     p.add_argument("--compile", action="store_true", help="model.compile=true on both sides")
-    p.add_argument("--images", type=int, default=2048, help="JPEGs of the loader's folder")
+    p.add_argument("--images", type=int, default=2048, help="JPEGs of the loader's folder (0: no loader part)")
     p.add_argument("--faults", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--faults-timeout", type=float, default=300.0)
     p.add_argument(
@@ -276,12 +276,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  train.py failed: {str(error)[-1500:]}", flush=True)
     save()
 
-    folder = work / "jpegs"
-    write_jpegs(folder, a.images)
-    rate = loader_rate(folder, device, a.batch if not a.smoke else 8, 6 if a.smoke else 30, size)
-    result.update({"loader_img_s": rate["img_s"], "loader_workers": rate["num_workers"]})
-    print(f"  imagefolder loader: {rate['img_s']:.0f} img/s ({rate['num_workers']} workers)", flush=True)
-    save()
+    if a.images:  # (0: left out)
+        folder = work / "jpegs"
+        write_jpegs(folder, a.images)
+        rate = loader_rate(folder, device, a.batch if not a.smoke else 8, 6 if a.smoke else 30, size)
+        result.update({"loader_img_s": rate["img_s"], "loader_workers": rate["num_workers"]})
+        print(f"  imagefolder loader: {rate['img_s']:.0f} img/s ({rate['num_workers']} workers)", flush=True)
+        save()
 
     faults = {}
     if a.faults:
