@@ -83,6 +83,14 @@ def test_on_a_device_each_collective_counts_its_own_time_there_once_it_completed
     assert comm.totals.comm_s == pytest.approx(0.050)
 
 
+def test_collectives_waiting_to_be_read_stay_few_where_nothing_takes_the_counts():
+    """The CAC drop-in never takes a step's counts: completed collectives are read (and let go) as they pile up."""
+    comm = Communicator(Membership(0, 2), FakeDevice())
+    for _ in range(3000):
+        comm.time_on_device([FakeWork(1.0, done=True)])
+    assert len(comm._on_device) <= 1025 and comm.totals.comm_s > 2.0
+
+
 def test_a_collective_of_a_replaced_group_is_dropped_with_it():
     membership = Membership(0, 2)
     comm = Communicator(membership, FakeDevice())
