@@ -29,6 +29,8 @@ import argparse
 import datetime
 import json
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -157,25 +159,24 @@ def fault_recoveries(smoke: bool, basetemp: Path, timeout_s: float, gpu_tests: s
     only."""
     selection = f"({FAULT_CASES}) or ({gpu_tests})" if gpu_tests else FAULT_CASES
     files = ["tests/test_faults.py", *(["tests/test_gpu.py"] if gpu_tests else [])]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-m", "", "-p", "no:cacheprovider", f"--basetemp={basetemp}",
-           *files, "-k", selection]  # fmt: skip
+    cmd = [sys.executable, "-m", "pytest", "-rA", "--tb=short", "-m", "", "-p", "no:cacheprovider",
+           f"--basetemp={basetemp}", *files, "-k", selection]  # fmt: skip
     if smoke:
-        cmd.append("--collect-only")
-    elif _has_xdist():
-        cmd[3:3] = ["-n", "8"]
+        cmd += ["-q", "--collect-only"]
+    else:  # (-v: a line per test as it ends, written as it comes, so a run cut short still tells which ended how)
+        cmd += ["-v", *(["-n", "8"] if _has_xdist() else [])]
     env = dict(os.environ, RELAXSYNC_TEST_GPU="0" if smoke else "1")
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout_s)
-        text, code = out.stdout + out.stderr, out.returncode
-    except subprocess.TimeoutExpired as e:
-        text, code = f"{e.stdout or b''!r}\ntimed out after {timeout_s:.0f} s", None
-    log.write_text(text)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # (pytest and its workers; the nodes have sessions of their own)
+            code = proc.wait()
+            out.write(f"\ntimed out after {timeout_s:.0f} s\n")
+    text = log.read_text()
     cases = [line.strip() for line in text.splitlines() if line.strip().startswith("tests/") and "::" in line]
-    outcomes = {}
-    for line in text.splitlines():
-        word, _, rest = line.partition(" ")
-        if word in ("PASSED", "FAILED", "SKIPPED", "ERROR") and "::" in rest:
-            outcomes[rest.split(" - ")[0].strip()] = word
+    outcomes = {} if smoke else outcomes_of(text)
     events = []
     for path in sorted(basetemp.rglob("metrics.jsonl")):
         for line in path.read_text().splitlines():
@@ -187,7 +188,20 @@ def fault_recoveries(smoke: bool, basetemp: Path, timeout_s: float, gpu_tests: s
                 events.append({"run": path.parent.parent.name, "sync": sync, "ranks": record["ranks"],
                                "redo": record.get("redo"), "recovery_s": record["recovery_s"]})  # fmt: skip
     summary = text.strip().splitlines()[-1:] or [""]
+    cases = cases if smoke else sorted(outcomes)
     return {"exit": code, "summary": summary, "cases": cases, "tests": outcomes, "rank_lost": events}
+
+
+def outcomes_of(text: str) -> dict[str, str]:
+    """Each test's outcome from pytest's ``-v`` lines (``tests/f.py::t PASSED [ 50%]``, or with xdist
+    ``[gw1] [ 50%] PASSED tests/f.py::t``); the ``-rA`` summary's lines agree with them."""
+    outcomes = {}
+    for line in text.splitlines():
+        test = re.search(r"tests/\S+::\S+", line)
+        word = re.search(r"\b(PASSED|FAILED|SKIPPED|ERROR)\b", line)
+        if test and word:
+            outcomes[test.group(0)] = word.group(1)
+    return outcomes
 
 
 def _has_xdist() -> bool:

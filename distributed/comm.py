@@ -138,8 +138,9 @@ class Communicator:
         return counts
 
     def time_on_device(self, works: list[Any]) -> None:
-        """Count ``works``' time on the GPU, once they complete (their bytes are recorded apart)."""
-        if not self._side:
+        """Count ``works``' time on the GPU, once they complete (their bytes are recorded apart); off a device,
+        nothing (the caller counts the CPU's time)."""
+        if self.clock.on_device and not self._side:
             self._on_device += [(self.membership.generation, w) for w in works]
             if len(self._on_device) > 1024:  # (a caller that never takes, as the CAC drop-in: keep it bounded)
                 self._read_device_times()

@@ -24,7 +24,7 @@ prepare)
     du -sh "$site"
     ;;
 run)
-    budget=${2:-300}
+    budget=${2:-480}
     export PYTHONPATH=$PWD/.gpu/site PYTHONUNBUFFERED=1 WANDB_MODE=disabled OUT=${OUT:-$(mktemp -d)}
     nvidia-smi -L
     python3 -c 'import torch, timm; print("torch", torch.__version__, "NCCL", torch.cuda.nccl.version(), "timm", timm.__version__)'

@@ -25,3 +25,16 @@ def test_the_gpu_bench_runs_on_the_cpu_and_writes_its_results(tmp_path):
     assert len([c for c in cases if c.startswith("tests/test_gpu.py")]) == 4, cases
     assert result["recovery_s"] == []  # (collected, not run, on the CPU)
     assert "| ratio (ours / plain) |" in (tmp_path / "gpu.md").read_text()
+
+
+def test_each_tests_outcome_is_read_from_pytests_lines_as_they_come():
+    text = """bringing up nodes...
+[gw1] [ 12%] PASSED tests/test_faults.py::test_a_killed_node_leaves_and_the_others_finish_the_run[allreduce]
+[gw0] [ 25%] FAILED tests/test_gpu.py::test_relaxed_sync_trains_with_apex[O1]
+tests/test_gpu.py::test_relaxed_sync_evicts_a_gpu_slow_on_its_device SKIPPED (no GPU) [ 37%]
+"""
+    assert gpu.outcomes_of(text) == {
+        "tests/test_faults.py::test_a_killed_node_leaves_and_the_others_finish_the_run[allreduce]": "PASSED",
+        "tests/test_gpu.py::test_relaxed_sync_trains_with_apex[O1]": "FAILED",
+        "tests/test_gpu.py::test_relaxed_sync_evicts_a_gpu_slow_on_its_device": "SKIPPED",
+    }

@@ -91,6 +91,12 @@ def test_collectives_waiting_to_be_read_stay_few_where_nothing_takes_the_counts(
     assert len(comm._on_device) <= 1025 and comm.totals.comm_s > 2.0
 
 
+def test_off_a_device_no_collective_waits_to_be_read():
+    comm = Communicator(Membership(0, 2))  # the CPU's clock: gloo's works have no device time
+    comm.time_on_device([FakeWork(5.0, done=True)])
+    assert comm._on_device == [] and comm.take().comm_s == 0.0
+
+
 def test_a_collective_of_a_replaced_group_is_dropped_with_it():
     membership = Membership(0, 2)
     comm = Communicator(membership, FakeDevice())
