@@ -116,6 +116,7 @@ class DGC(SyncAlgorithm):
     """``sync=dgc``: sparse, error-compensated gradient exchange by allgather of (value, index) pairs."""
 
     name = "dgc"
+    compresses_float32_only = True  # float16 parameters (apex's O3) would all go the dense way: refused there
 
     def __init__(
         self,

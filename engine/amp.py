@@ -249,13 +249,12 @@ class ApexAmp(AmpBackend):
                 "it writes the model's parameters itself; apex's float32 masters would overwrite them at the next step"
             )
             require(not _writes_parameters(algorithm), "amp.opt_level", level, f"O0, O1 or O3 with {sync} ({why})")
-        if algorithm is not None and level == "O3":
-            from algorithms.dgc import DGC
-
+        if algorithm is not None and level == "O3":  # (the algorithm says so: the engine imports no plugin)
             why = (
                 "O3 casts every parameter to float16 and DGC compresses only float32 ones: nothing would be compressed"
             )
-            require(not issubclass(algorithm, DGC), "amp.opt_level", level, f"O0, O1 or O2 with {sync} ({why})")
+            float32_only = getattr(algorithm, "compresses_float32_only", False)
+            require(not float32_only, "amp.opt_level", level, f"O0, O1 or O2 with {sync} ({why})")
         missing = probe_apex()
         require(missing is None, "amp", "apex", f"NVIDIA apex with apex.amp and CUDA: {missing}")
 
