@@ -27,7 +27,7 @@ _NEW_NAME = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.
 NO_FORWARD_BUFFER_SYNC = {"forward_sync_buffers" if _NEW_NAME else "broadcast_buffers": False}
 
 
-class _HookState:
+class HookState:
     """What the comm hook needs: the communicator and when this rank's last bucket became ready."""
 
     def __init__(self, comm: Communicator):
@@ -39,7 +39,7 @@ class _HookState:
         return {}
 
 
-def counted_allreduce_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def counted_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     # No `from __future__ import annotations` in this file: DDP checks this signature at registration.
     """DDP's default allreduce (average: divided, then summed), counted by the Communicator; its work is kept for
     :meth:`AllReduce.after_backward`. DDP waits for the future in C++: it is relayed through the membership, so
@@ -92,8 +92,8 @@ class AllReduce(SyncAlgorithm):
         self.hook_state = self._hook_state()  # kept across rewraps: the comm hook's state reads the group anew
         self.module = self._wrap(model)
 
-    def _hook_state(self) -> _HookState:
-        return _HookState(self.ctx.comm)
+    def _hook_state(self) -> HookState:
+        return HookState(self.ctx.comm)
 
     def on_membership_change(self, change: Change) -> SyncReport:
         # DDP is bound to one process group: wrap the same module again over the new group (the survivors'

@@ -21,7 +21,6 @@ copy of each segment from a permutation, so the mean over ranks is unchanged, as
 
 from __future__ import annotations
 
-import re
 from collections import deque
 from typing import Any
 
@@ -30,48 +29,12 @@ from torch import nn
 
 from algorithms.base import SyncContext, SyncReport
 from algorithms.gossip import Gossip
+from algorithms.replicas import segment_ranges
 from distributed.comm import Pending
 from distributed.membership import Change
 from distributed.topology import ExponentialGraph, LoadBalancedRandom
 from errors import ConfigError, is_int, require
 from models.factory import create_model
-
-_STAGE = re.compile(r"^(layer\d+)\.(\d+)\.")
-
-
-def segment_key(name: str, mode: str) -> str | None:
-    """The segment of a ResNet-style parameter name (timm/torchvision naming), or None if it has none."""
-    if name.startswith(("conv1.", "bn1.")):
-        return "stem"
-    if name.startswith("fc."):
-        return "head"
-    match = _STAGE.match(name)
-    if match:
-        return match.group(1) if mode == "coarse" else f"{match.group(1)}.{match.group(2)}"
-    return None
-
-
-def segment_ranges(model: nn.Module, segments: str | int) -> list[tuple[str, int, int]]:
-    """``(name, start, end)`` ranges over the flat parameter vector (``torch.cat`` of ``model.parameters()``)."""
-    named = [(n, p.numel()) for n, p in model.named_parameters()]
-    total = sum(size for _, size in named)
-    if isinstance(segments, int):
-        bounds = [round(i * total / segments) for i in range(segments + 1)]
-        return [(f"chunk{i}", bounds[i], bounds[i + 1]) for i in range(segments)]
-    ranges: list[tuple[str, int, int]] = []
-    offset = 0
-    for name, size in named:
-        key = segment_key(name, segments)
-        if key is None:
-            raise ValueError(f"parameter {name!r} is in no {segments} segment")
-        if ranges and ranges[-1][0] == key:
-            ranges[-1] = (key, ranges[-1][1], offset + size)
-        elif any(r[0] == key for r in ranges):
-            raise ValueError(f"segment {key!r} is not contiguous in the parameter order")
-        else:
-            ranges.append((key, offset, offset + size))
-        offset += size
-    return ranges
 
 
 class Crossover(Gossip):

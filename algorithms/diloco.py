@@ -34,8 +34,7 @@ import torch
 from torch import nn
 
 from algorithms.base import StepResult, SyncContext, SyncReport
-from algorithms.crossover import segment_ranges
-from algorithms.gossip import Replicas
+from algorithms.replicas import Replicas, segment_ranges
 from distributed.comm import Pending
 from errors import is_int, is_number, require
 

@@ -1,6 +1,5 @@
-"""What algorithms whose replicas differ share (:class:`Replicas`: a flat view of the parameters, evaluation of
-the averaged model, each rank's own optimizer state), and what the gossip algorithms (SGP, Crossover-SGD) add
-(:class:`Gossip`: a round every ``period`` steps, consensus distance).
+"""What the gossip algorithms (SGP, Crossover-SGD) add to replicas that differ (``algorithms/replicas.py``):
+:class:`Gossip`, a round every ``period`` steps and the consensus distance.
 
 Gossip replicas are never exactly equal during training. ``consensus_distance`` (the mean L2 distance of the
 replicas' parameters to their average) is measured every ``consensus_every`` steps with one extra allreduce
@@ -15,60 +14,9 @@ from typing import Any
 
 import torch
 
-from algorithms.base import StepResult, SyncAlgorithm, SyncReport
+from algorithms.base import StepResult, SyncReport
+from algorithms.replicas import Replicas
 from errors import is_int, require
-
-
-class Replicas(SyncAlgorithm):
-    """Replicas that differ between agreements: evaluation reports the averaged model and the replicas' own
-    accuracy; each rank checkpoints its own optimizer state."""
-
-    evaluates_replicas = True
-
-    def parameters(self) -> list[torch.Tensor]:
-        return [p.data for p in self.model.parameters()]
-
-    def flat_parameters(self) -> torch.Tensor:
-        return torch.cat([p.reshape(-1) for p in self.parameters()])
-
-    def set_flat_parameters(self, flat: torch.Tensor) -> None:
-        offset = 0
-        for p in self.parameters():
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-    def read_range(self, lo: int, hi: int) -> torch.Tensor:
-        """A copy of elements ``[lo, hi)`` of the flat parameter vector."""
-        return torch.cat([view[a:b] for view, a, b in self._overlaps(lo, hi)])
-
-    def write_range(self, lo: int, hi: int, values: torch.Tensor) -> None:
-        """Set elements ``[lo, hi)`` of the flat parameter vector."""
-        offset = 0
-        for view, a, b in self._overlaps(lo, hi):
-            view[a:b].copy_(values[offset : offset + b - a])
-            offset += b - a
-
-    def _overlaps(self, lo: int, hi: int) -> list[tuple[torch.Tensor, int, int]]:
-        """(flat view of a parameter, start, end within it) for every parameter that ``[lo, hi)`` touches."""
-        out, offset = [], 0
-        for p in self.parameters():
-            n = p.numel()
-            if offset < hi and offset + n > lo:
-                out.append((p.view(-1), max(lo - offset, 0), min(hi - offset, n)))
-            offset += n
-        return out
-
-    def before_eval(self) -> None:
-        """Average the replicas (and BN statistics) so evaluation and checkpoints see one model."""
-        comm = self.ctx.comm
-        tensors = self.parameters() + [b.data for b in self.model.buffers() if b.is_floating_point()]
-        comm.all_reduce_coalesced(tensors, average=True)
-
-    def local_state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict()}  # this rank's own momentum buffers
-
-    def load_local_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
 
 
 class Gossip(Replicas):

@@ -10,7 +10,7 @@ local SGD with a period of an epoch or more.
 
 from __future__ import annotations
 
-from algorithms.gossip import Replicas
+from algorithms.replicas import Replicas
 
 
 class NoSync(Replicas):

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 # No `from __future__ import annotations` in this file: DDP checks the comm hook's signature at registration.
-from algorithms.allreduce import AllReduce, _HookState, counted
+from algorithms.allreduce import AllReduce, HookState, counted
 from algorithms.base import SyncContext, SyncReport
 from distributed.comm import Communicator
 from distributed.membership import Change
@@ -116,7 +116,7 @@ class BucketState:
             psgd.q_memory_dict[index] = torch.cat([piece["q"] for piece in compressed])
 
 
-class _PowerHookState(_HookState):
+class _PowerHookState(HookState):
     """The communicator, when this rank's last bucket was ready, and PyTorch's PowerSGD state."""
 
     def __init__(self, comm: Communicator, psgd: PowerSGDState, buckets: BucketState):

@@ -32,7 +32,7 @@ def test_topologies_are_permutations():
 def test_segments_of_a_resnet():
     import timm
 
-    from algorithms.crossover import segment_ranges
+    from algorithms.replicas import segment_ranges
 
     model = timm.create_model("resnet50", num_classes=10)
     total = sum(p.numel() for p in model.parameters())

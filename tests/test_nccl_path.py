@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from algorithms.allreduce import AllReduce, _HookState
+from algorithms.allreduce import AllReduce, HookState
 from distributed.comm import Communicator, Pending
 from distributed.membership import Membership
 
@@ -68,7 +68,7 @@ def test_ddps_allreduces_are_waited_for_under_the_deadline_before_the_optimizer_
     after_backward, and a fresh backward starts with none left over."""
     sync = AllReduce()
     sync.ctx = SimpleNamespace(membership=membership(DEADLINE))
-    sync.hook_state = _HookState(comm=None)
+    sync.hook_state = HookState(comm=None)
     hung = NcclLikeWork()
     sync.hook_state.works = [hung]
     with pytest.raises(dist.DistBackendError):
