@@ -54,6 +54,13 @@ class CommCounts:
         self.comm_s += seconds
 
 
+def _completed(work: Any) -> bool:
+    try:
+        return work.is_completed()
+    except RuntimeError:  # (a work of an aborted group: it will not complete)
+        return True
+
+
 class Pending:
     """A collective in flight. Its bytes were counted when it was issued; :meth:`wait` blocks until it is done,
     counts the time blocked as communication, and returns its result (the tensor(s) it filled).
@@ -172,6 +179,8 @@ class Communicator:
                 seconds = self.clock.seconds(start, end) if end.query() else None
             else:
                 seconds = device_seconds(item)
+                if seconds is None and _completed(item):  # (done, with no device time: gloo's, or timing off)
+                    seconds = 0.0
             if seconds is not None:
                 self._step.comm_s += seconds
                 self.totals.comm_s += seconds

@@ -108,6 +108,18 @@ def test_a_collective_of_a_replaced_group_is_dropped_with_it():
     assert comm.take().comm_s == 0.0 and comm.take().comm_s == 0.0
 
 
+def test_a_completed_collective_without_device_time_is_let_go():
+    """A gloo group's work on a GPU run, or NCCL with its timing turned off: done, with no time on the device."""
+
+    class Untimed(FakeWork):
+        def _get_duration(self):
+            raise RuntimeError("Enable timing first")
+
+    comm = Communicator(Membership(0, 2), FakeDevice())
+    comm.time_on_device([Untimed(0.0, done=True), FakeWork(10.0, done=True)])
+    assert comm.take().comm_s == pytest.approx(0.010) and comm._on_device == []
+
+
 def test_a_span_between_two_device_marks_is_read_when_the_device_passed_its_end():
     device = FakeDevice()
     comm = Communicator(Membership(0, 2), device)
