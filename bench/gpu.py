@@ -39,6 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from engine.metrics import CONFIG_FILE, read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 FAULT_CASES = "killed_node_leaves or ring_of_four"
 STEP_TIMEOUT_S = 240  # each of the two training runs
@@ -105,7 +109,7 @@ def ours(overrides: list[str], run_dir: Path, skip: int) -> dict[str, float]:
     (run_dir / "train.out").write_text(out.stdout + out.stderr)
     if out.returncode != 0:
         raise RuntimeError(f"train.py failed ({' '.join(overrides)}):\n{(out.stdout + out.stderr)[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(str(run_dir / "metrics.jsonl"))
     steps = [r for r in records if r["kind"] == "train" and r["step"] >= skip]
     figures = {k: statistics.median(r[k] for r in steps) for k in ("step_s", "data_s", "compute_s", "comm_s")}
     figures["img_s"] = statistics.median(r["samples_per_s"] for r in steps)
@@ -179,12 +183,10 @@ def fault_recoveries(smoke: bool, basetemp: Path, timeout_s: float, gpu_tests: s
     outcomes = {} if smoke else outcomes_of(text)
     events = []
     for path in sorted(basetemp.rglob("metrics.jsonl")):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
+        for record in read_metrics(str(path)):  # (a run killed at the deadline may end in half a line)
             if record.get("event") == "rank_lost":
-                config = path.parent / "config.yaml"
-                lines = config.read_text().splitlines() if config.exists() else []
-                sync = next((ln.split(":")[-1].strip() for ln in lines if "_target_: algorithms" in ln), "")
+                config = path.parent / CONFIG_FILE
+                sync = yaml.safe_load(config.read_text())["sync"]["_target_"] if config.exists() else ""
                 events.append({"run": path.parent.parent.name, "sync": sync, "ranks": record["ranks"],
                                "redo": record.get("redo"), "recovery_s": record["recovery_s"]})  # fmt: skip
     summary = text.strip().splitlines()[-1:] or [""]

@@ -50,9 +50,8 @@ class CudaClock(Clock):
 
     on_device = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self) -> None:
         super().__init__()
-        self.device = device
         self._cycles_per_s: float | None = None
 
     def mark(self) -> Mark:
@@ -82,7 +81,7 @@ class CudaClock(Clock):
 
 
 def build_clock(device: torch.device) -> Clock:
-    return CudaClock(device) if device.type == "cuda" else Clock()
+    return CudaClock() if device.type == "cuda" else Clock()
 
 
 def device_seconds(work: Any) -> float | None:
