@@ -1,7 +1,8 @@
 """The contract between the trainer and a sync algorithm: the single statement of it.
 
 The trainer calls the hooks of exactly one :class:`SyncAlgorithm` in a fixed order and never asks which
-algorithm it runs. Per optimizer step::
+algorithm it runs. First, once, ``setup(model, optimizer, ctx)``: the algorithm keeps ``self.model`` (the model to
+train), ``self.optimizer`` and ``self.ctx`` (a :class:`SyncContext`) and sets ``self.module``. Per optimizer step::
 
     trainer.apply(sync.before_step(step))                  # e.g. a straggler check every N steps
     with amp.autocast(): loss = criterion(sync.module(x), y)
@@ -15,14 +16,19 @@ algorithm it runs. Per optimizer step::
 plus ``trainer.apply(sync.on_epoch_start(epoch))`` before each epoch's loader is iterated, ``drain()`` then
 ``before_eval()`` before each evaluation and checkpoint, ``trainer.apply(sync.on_membership_change(change))``
 after each change of the active ranks, and ``drain()`` then ``finalize()`` once at the end. The forward pass
-runs through ``sync.module``, read at every step, so an algorithm may rewrap the model.
+runs through ``sync.module``, read at every step, so an algorithm may rewrap the model. Two class attributes
+describe the algorithm: ``name``, its W&B tag and config option name, and ``evaluates_replicas``, True where the
+replicas differ (gossip): evaluation then also reports the replicas' own accuracy, measured before
+``before_eval()`` brings them into agreement.
 
 **One way.** A hook receives what it needs as arguments (``after_optimizer_step`` gets the finished step: its
 loss, learning rate, timings) and returns a :class:`SyncReport` with what it measured (``metrics``), what
 happened (``events``) and what it wants the trainer to do (``requests``: :class:`RebuildTrainLoader`,
 :class:`ScaleLR`). The trainer applies the requests after the hook returns. An algorithm never calls into
-the trainer; ``SyncContext`` holds only runtime objects (communicator, membership, device). ``apply`` follows
-a membership change, records the events and carries out the requests, in that order.
+the trainer; :class:`SyncContext` holds only runtime objects: ``comm``, ``membership``, ``device``,
+``replicas_agree`` (the replicas are known to be identical at ``setup()``: a wrapper need not broadcast them) and
+``guests`` (see Joins). ``apply`` follows a membership change, records the events and carries out the requests,
+in that order.
 
 **Membership.** ``ctx.membership`` (:class:`distributed.membership.Membership`) owns the active ranks, their
 process group, store-based agreement and regrouping. A policy that wants ranks gone (relaxed sync: too slow)
@@ -52,7 +58,8 @@ step); keep a due exchange in flight until its ``wait()`` returned, so that one 
 logging rank, in the main checkpoint. ``local_state_dict()`` is this rank's own state (DGC residuals, local
 momenta): each rank saves it beside the checkpoint and loads its own on resume; a rank that finds none (it
 was evicted before that checkpoint, or the world grew) keeps the fresh state of ``setup()``, so nothing
-identical-on-every-rank may live there.
+identical-on-every-rank may live there. On a resume the trainer loads the model and optimizer, calls
+``setup()``, then ``load_state_dict(state)`` and, where this rank saved its own, ``load_local_state_dict(state)``.
 
 **Wrapping.** An algorithm that wraps another (``sync=relaxed`` wraps ``sync.inner``) derives from
 :class:`Wrapper`, which forwards every hook, capability flag, module and state of the inner algorithm; a
@@ -67,6 +74,35 @@ skipped step the algorithm leaves its own state (residuals, momenta) as it was b
 
 **Validation.** ``validate(section, cfg, world_size)`` raises ``errors.ConfigError`` before any worker starts
 (the signature every config group shares; see ``errors.py``).
+
+**Joins (optional).** Under ``trainer.on_failure=continue`` a process may join a running run: it is admitted at a
+step all members agree on, where they settle the replicas as for a checkpoint and it receives the trainer's state
+by transfer, as a run resumed at the new size would have it. That needs none of the hooks below. With them an
+admission costs less: it is aligned to a step where the replicas agree anyway, and the joining process takes its
+model in the algorithm's own averaging there (the transfer then carries only the rest of the state):
+
+- ``agreement_at(steps)``: the next count of completed steps, at or after ``steps``, after which the replicas
+  agree by the algorithm's own exchange (local SGD's averaging, DiLoCo's whole outer step), so that an admission
+  can be aligned to it and the members settle there with no averaging of their own. Default: ``steps``.
+- ``ctx.guests(steps)``: a :class:`Guests` where processes are admitted at the averaging that completes ``steps``
+  steps, else None. An averaging of the whole model there sums its flat tensor with
+  ``Guests.sum(flat, names, advance)`` over the members and those processes (each adding nothing) and divides by
+  the members' count as ever; on False (``flat`` as it was) it sums on ``ctx.comm`` as it would have without
+  them. ``ctx.guests`` is given by the runtime (the engine implements :class:`Guests`): a runtime object like
+  ``ctx.comm``, so the algorithm still never calls into the trainer.
+- ``take_share(model, summed, asked, state)``: on the joining process (the algorithm not set up), how it sets
+  ``model``'s tensors named ``asked["names"]`` from ``summed``, the members' sum of that averaging, having taken
+  part in it adding nothing (``asked["contributors"]``: the members' count). An algorithm that calls
+  ``ctx.guests`` implements it; the default raises ``NotImplementedError``, as an algorithm that never asks
+  ``ctx.guests`` is never asked to take a share.
+- ``guest_state(at, steps)``: the state a process admitted at ``at`` steps needs before the averaging of that step
+  (DiLoCo's outer parameters and momentum, to take the outer step itself), sent to it in advance while the
+  members train; asked at each step until ``steps`` completed steps have made it final (None until then, and where none
+  is needed: the default). The averaging then sums with ``Guests.sum(..., advance=True)``.
+- ``late_shared_state``: True where the shared state (``state_dict()``) is read only at a step (DiLoCo's outer
+  state, at its outer step), so that it may reach a joining process after its first forward, while it computes
+  its first step. Default: False; a wrapper with shared state of its own that may change at any step says False
+  whatever its inner algorithm's (relaxed sync).
 """
 
 from __future__ import annotations
@@ -107,19 +143,20 @@ class SyncContext:
     # The replicas are known to be identical when the algorithm is set up (the world grew by a join, after a
     # checkpoint's agreement): a wrapper need not broadcast them again.
     replicas_agree: bool = False
-    # Processes admitted at a step count (``engine/joins.py``, under ``trainer.on_failure: continue``): called with
-    # the steps an averaging completes, a :class:`Guests` that sums it over the members and those processes (each
-    # adding nothing and taking the result as its model), or None. Only an average of the whole model may ask.
+    # Processes admitted at a step count (joins, under ``trainer.on_failure: continue``; given by the runtime):
+    # called with the steps an averaging completes, a :class:`Guests` that sums it over the members and those
+    # processes (each adding nothing and taking the result as its model), or None. Only an average of the whole
+    # model may ask.
     guests: Callable[[int], Guests | None] | None = None
 
 
 class Guests(Protocol):
     """Processes that join at an averaging's step and take the model from it (``SyncContext.guests``)."""
 
-    def sum(self, flat: torch.Tensor, names: list[str], ahead: bool = False) -> bool:
+    def sum(self, flat: torch.Tensor, names: list[str], advance: bool = False) -> bool:
         """Sum ``flat`` in place over the members and the guests, from which each guest sets the model's tensors
         named ``names`` (:meth:`SyncAlgorithm.take_share`); False, with ``flat`` as it was, where the members sum it
-        without them. ``ahead``: the guests need the state :meth:`SyncAlgorithm.guest_state` gives, sent to them
+        without them. ``advance``: the guests need the state :meth:`SyncAlgorithm.guest_state` gives, sent to them
         before this step, and take part only where it arrived."""
         ...
 
@@ -176,7 +213,7 @@ class SyncAlgorithm:
     evaluates_replicas: bool = False
     #: True when the shared state (:meth:`state_dict`) is first read after an optimizer step (DiLoCo's outer state, at
     #: its outer step): a process that joins may load it once it has computed its first step's gradients, and so
-    #: need not wait for it before its first forward (engine/joins.py).
+    #: need not wait for it before its first forward (see Joins, above).
     late_shared_state: bool = False
 
     @classmethod
@@ -222,21 +259,19 @@ class SyncAlgorithm:
 
     def guest_state(self, at: int, steps: int) -> dict[str, Any] | None:
         """The shared state a process admitted at ``at`` steps needs before it takes part in the averaging there
-        (``Guests.sum(ahead=True)``), once ``steps`` steps completed have made it final: the joining process
+        (``Guests.sum(advance=True)``), once ``steps`` steps completed have made it final: the joining process
         receives it while the members train. None: none is needed (the default), or not final yet."""
         return None
 
     def take_share(self, model: nn.Module, summed: torch.Tensor, asked: dict[str, Any], state: Any) -> None:
         """On a process joining (this algorithm not set up): set ``model``'s tensors named ``asked["names"]`` from
         ``summed``, the sum over the members of what they averaged, where it took part adding nothing (``state``:
-        what :meth:`guest_state` gave, if anything). Default: the average, tensor by tensor (local SGD's)."""
-        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        average, offset = summed / asked["contributors"], 0
-        with torch.no_grad():
-            for name in asked["names"]:
-                t = tensors[name]
-                t.copy_(average[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        what :meth:`guest_state` gave, if anything). Not offered by default: only an algorithm that calls
+        ``ctx.guests`` is asked, and it implements this."""
+        raise NotImplementedError(
+            f"sync={self.name} takes no share of an averaging: it never asks ctx.guests, so a joining process "
+            "takes its model by transfer"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """State identical on every rank (saved once)."""

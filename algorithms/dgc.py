@@ -303,7 +303,7 @@ class DGC(SyncAlgorithm):
         """Settle a selection whose allgather failed on this rank (``trainer.on_failure: continue``), at the next
         call. The same step again is a redo: nobody finished that exchange, so nothing of it was applied anywhere
         and the selection goes back into the residuals. A later step means this rank was healed from a peer that
-        did finish it (engine/failures.py): that peer applied this rank's share, which must not be sent twice."""
+        did finish it (engine/elastic): that peer applied this rank's share, which must not be sent twice."""
         if self._taken and self._accumulated == step:
             self._restore_selected()
         self._taken = []

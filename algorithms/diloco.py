@@ -193,7 +193,7 @@ class DiLoCo(Replicas):
         guests = self.ctx.guests(steps) if self.ctx.guests is not None and self._whole else None
         if guests is not None and self.quantize == "none":
             names = [name for name, _ in self.model.named_parameters()]
-            if guests.sum(delta, names, ahead=True):
+            if guests.sum(delta, names, advance=True):
                 return Pending(comm, [], delta)
         if self.quantize == "int8":
             return comm.all_gather_async(quantize_int8(delta, self.quant_block))
@@ -230,7 +230,7 @@ class DiLoCo(Replicas):
             update = delta
         return theta.sub_(update, alpha=self.outer_lr)
 
-    # ---- a process joining at a whole outer step (engine/joins.py) ---------------------------------------------
+    # ---- a process joining at a whole outer step (engine/elastic) --------------------------------------------
     def guest_state(self, at: int, steps: int) -> dict[str, Any] | None:
         """The outer parameters and momentum, final from the outer step before ``at`` on (they change at outer
         steps only; the sender packs copies). None before that step, or where the outer step at ``at`` is not

@@ -157,6 +157,16 @@ class LocalSGD(SyncAlgorithm):
             first = self.begin_step + self.k_steps
         return first if steps <= first else first + -(-(steps - first) // self.k_steps) * self.k_steps
 
+    def take_share(self, model: torch.nn.Module, summed: torch.Tensor, asked: dict[str, Any], state: Any) -> None:
+        """On a process joining at an averaging (``ctx.guests``): the members' average, tensor by tensor, by name."""
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        average, offset = summed / asked["contributors"], 0
+        with torch.no_grad():
+            for name in asked["names"]:
+                t = tensors[name]
+                t.copy_(average[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
     # ---- state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -1,6 +1,6 @@
-"""The membership service at scale, simulated: N ranks' :class:`Heartbeat` and :class:`Failures` (engine/failures.py,
-the code a worker runs) against one real c10d ``TCPStore``, at the sizes of a cluster of a thousand nodes, on one
-machine.
+"""The membership service at scale, simulated: N ranks' :class:`Heartbeat` and :class:`Failures`
+(engine/elastic/failures.py, the code a worker runs) against one real c10d ``TCPStore``, at the sizes of a
+cluster of a thousand nodes, on one machine.
 
     python -m bench.membership [--sizes 64,256,1024] [--code tree,REV] [--processes 4] [--kill 1] [--limit 150]
 
@@ -30,8 +30,8 @@ survivor's ``recover`` returned (the change adopted and the positions exchanged)
 whether every survivor agreed on exactly the killed ranks. A size that has not finished ``--limit`` s after the
 failure is reported as not finished, with what it reached.
 
-``--code`` names the engine/failures.py to run: ``tree`` (the working tree's) and git revisions, whose file is loaded
-in place of the tree's (everything else as in the working tree); with several, each size runs with each, side by
+``--code`` names the engine/elastic/failures.py to run: ``tree`` (the working tree's) and git revisions, whose file is
+loaded in place of the tree's (everything else as in the working tree); with several, each size runs with each, side by
 side, alternating which goes first. Results: bench/results/membership.json, membership.md and membership.png
 (``--merge`` keeps the rows there of other sizes and code); read in docs/benchmarks/membership.md.
 """
@@ -141,25 +141,29 @@ def cpu_s(pid: int) -> float:
 
 
 def failures_at(rev: str) -> tuple[str, str]:
-    """engine/failures.py as it was at git revision ``rev``, in a temporary file: its path, and the commit."""
-    source = subprocess.run(
-        ["git", "show", f"{rev}:engine/failures.py"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
+    """engine/elastic/failures.py (engine/failures.py before the package) as it was at git revision ``rev``, in a
+    temporary file: its path, and the commit."""
+    shown = [
+        subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
+        for path in ("engine/elastic/failures.py", "engine/failures.py")
+    ]
+    source = next(s.stdout for s in shown if s.returncode == 0)
     path = Path(tempfile.mkdtemp(prefix="relaxsync-failures-")) / "failures.py"
     path.write_text(source)
     return str(path), git("rev-parse", rev)
 
 
 def load_failures(path: str) -> None:
-    """Import the engine/failures.py at ``path`` in place of the working tree's (before anything imports that)."""
-    spec = importlib.util.spec_from_file_location("engine.failures", path)
+    """Import the engine/elastic/failures.py at ``path`` in place of the working tree's (before anything imports
+    that)."""
+    spec = importlib.util.spec_from_file_location("engine.elastic.failures", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["engine.failures"] = module
+    sys.modules["engine.elastic.failures"] = module
     spec.loader.exec_module(module)
-    import engine
+    import engine.elastic
 
-    engine.failures = module
+    engine.elastic.failures = module
 
 
 def git(*args: str) -> str:
@@ -168,7 +172,7 @@ def git(*args: str) -> str:
 
 def code_version() -> str:
     """The working tree's engine/failures.py: the commit, and whether the file differs from it."""
-    dirty = git("status", "--porcelain", "engine/failures.py")
+    dirty = git("status", "--porcelain", "engine/elastic/failures.py")
     return git("rev-parse", "HEAD") + (" + uncommitted changes" if dirty else "")
 
 
@@ -186,8 +190,12 @@ class Shard:
         import distributed.membership as membership_module
         from distributed.membership import LeftRun, Membership
 
-        failures_module = importlib.import_module("engine.failures")
-        Failures, Phase, Position = failures_module.Failures, failures_module.Phase, failures_module.Position
+        failures_module = importlib.import_module("engine.elastic.failures")
+        from engine.elastic import positions  # (a revision before the package defines them in failures.py)
+
+        Failures = failures_module.Failures
+        Phase = getattr(failures_module, "Phase", positions.Phase)
+        Position = getattr(failures_module, "Position", positions.Position)
         self._module, self._form_group, self._stack = membership_module, membership_module.form_group, None
         self.formed = 0
 

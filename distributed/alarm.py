@@ -7,7 +7,7 @@ until the group's deadline (``trainer.hang_timeout_s``), and until then nobody g
 waiting on a bucket or a round that only some peers reached.
 
 So a rank that sees a collective fail tells the others through the store (it checks in to the failure, which the
-heartbeat thread of every rank watches: ``engine/failures.py``), and each rank's :class:`Alarm` then wakes every wait
+heartbeat thread of every rank watches: ``engine/elastic``), and each rank's :class:`Alarm` then wakes every wait
 of that generation with :class:`PeerLost`: the rank enters the agreement at once, as if its own collective had
 failed. What it was waiting for is abandoned where it is; the group it was issued on is replaced. On NCCL a wait
 polls the GPU's work, and the membership aborts the group's communicator, which ends the wait the same way.

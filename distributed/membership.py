@@ -69,6 +69,20 @@ class Change:
     added: list[int] = field(default_factory=list)  # ranks admitted (a join)
 
 
+class Changes:
+    """The one reader of a membership's changes: each :meth:`take` returns the changes since the last, oldest first.
+    The trainer holds it and hands what it takes to whatever follows them (the sync algorithm's
+    ``on_membership_change``, or a resize that rebuilds the algorithm for the new world)."""
+
+    def __init__(self, changes: list[Change]):
+        self._changes, self._read = changes, len(changes)
+
+    def take(self) -> list[Change]:
+        new = self._changes[self._read :]
+        self._read += len(new)
+        return new
+
+
 Wait = Callable[[list[Any]], None]  # waits for some works (Membership.wait: one that a loss elsewhere cuts short)
 
 
@@ -318,7 +332,7 @@ class Membership:
 
     def formed_ahead(self, ranks: list[int], generation: int) -> Any:
         """The group formed ahead for ``ranks`` from ``generation``, for a collective of theirs before the change
-        that takes it (a join's averaging, ``engine/joins.py``); it stays to be taken. Waits for the forming thread
+        that takes it (a join's averaging, ``engine/elastic``); it stays to be taken. Waits for the forming thread
         (it is formed on every member once formed on one: moments away)."""
         with self._ahead_lock:
             ahead = self._ahead.get((generation, tuple(ranks)))
@@ -430,6 +444,10 @@ class Membership:
         self.ranks, self.generation = list(record["ranks"]), record["generation"]
         self.initial_size, self.hosts = record["initial_size"], list(record["hosts"])
         self._agreements = record["agreements"]
+
+    def follow(self) -> Changes:
+        """A reader of the changes from now on (:class:`Changes`)."""
+        return Changes(self.changes)
 
     def view(self) -> dict[str, Any]:
         """What a process admitted now needs to agree with the members from then on (:meth:`enter`)."""

@@ -223,7 +223,7 @@ class ApexAmp(AmpBackend):
     norm stays float32) and the optimizer steps float32 master copies, which apex copies into the model after each
     step; O3 casts the whole model to float16, no masters. Under O2 the masters are made at ``setup`` (apex makes them
     at the first ``zero_grad`` or backward), so a sync algorithm that reads the optimizer's parameters (DGC) holds
-    those the optimizer steps, and they travel in ``state_dict``: a resumed, healed or joining process continues from
+    those the optimizer steps, and they travel in ``state_dict``: a resumed, healed or joined process continues from
     them exactly. A sync algorithm that writes the model itself is rejected under O2 (``validate``): the masters
     would overwrite what it wrote.
     """
@@ -363,7 +363,7 @@ class ApexAmp(AmpBackend):
         return state
 
     def load_state_dict(self, state):
-        """Called after the model's own (``Trainer.load_replica``): under O2 the masters come from ``state``, or from
+        """Called after the model's own (``load_replica``): under O2 the masters come from ``state``, or from
         the model just loaded where ``state`` has none (a checkpoint of another opt level)."""
         if self.optimizer._amp_stash.already_patched:  # (a rank healed from a peer: the skip its own overflow left)
             self.optimizer.step()

@@ -3,15 +3,14 @@ process groups closed (:func:`close`)."""
 
 from __future__ import annotations
 
-from functools import partial
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from distributed.membership import retire
+from engine.elastic.positions import Phase, Site
 from engine.evaluate import reached_target
-from engine.failures import Phase
-from engine.guard import Site
 
 
 class Host(Protocol):
@@ -19,48 +18,61 @@ class Host(Protocol):
 
     cfg: dict[str, Any]
     sync: Any  # the sync algorithm
-    guard: Any  # engine.guard's NoGuard or SurvivingGuard
+    elastic: Any  # engine.elastic's face
     recorder: Any  # engine.metrics.Recorder
     run: Any  # engine.state.RunState
     comm: Any  # distributed.comm.Communicator
     stop: Any  # engine.stop.StopRequest
-    evaluation: Any  # engine.evaluate.Evaluation
-    membership: Any  # distributed.membership.Membership
-    raw_model: Any
+    checkpointer: Any  # engine.checkpoint.Checkpointer
     num_params: int
-    step: int
 
     def done(self) -> bool: ...
 
 
-def finish(host: Host, train_s: float) -> dict[str, Any] | None:
-    """The summary record and the console block (logging rank), then a barrier; returns the summary."""
+class Closing(Protocol):
+    """What closing an invocation uses of the trainer."""
+
+    elastic: Any  # engine.elastic's face
+    membership: Any  # distributed.membership.Membership
+    recorder: Any  # engine.metrics.Recorder
+
+
+def finished_already(host: Host) -> dict[str, Any]:
+    """A run resumed from a checkpoint at its end trains nothing and writes no summary: the line, a barrier, and the
+    top-1 it had."""
+    host.recorder.console(host.checkpointer.finished(host.run, host.cfg["trainer"]["epochs"]))
+    host.comm.barrier()
+    return {"top1": (host.run.last_eval or {}).get("top1"), "already_finished": True}
+
+
+def finish(host: Host, train_s: float, spread: Callable[[], Any]) -> dict[str, Any] | None:
+    """The summary record and the console block (logging rank), then a barrier; returns the summary. ``spread``
+    measures how far the replicas are apart."""
     host.sync.drain()
     host.sync.finalize()
-    guard, run = host.guard, host.run
-    spread = partial(host.evaluation.evaluator.replica_spread, host.raw_model)
+    elastic, run = host.elastic, host.run
     # (a rank healed in the spread's measure enters again at the exit)
-    replica_spread = guard.repeat(lambda: guard.run(Phase.END, spread, run.last_epoch, Site.END))
+    replica_spread = elastic.repeat(lambda: elastic.run(Phase.END, spread, run.last_epoch, Site.END))
     t, finished = host.cfg["trainer"], host.done()
     summary = host.recorder.summarize(
-        run, host.comm.totals, list(guard.lost_ranks),
+        run, host.comm.totals, list(elastic.lost_ranks),
         finished=finished, replica_spread=replica_spread, train_s=train_s, num_params=host.num_params,
-        stopped_by=None if finished else host.stop.stopped_by(host.step),
+        stopped_by=None if finished else host.stop.stopped_by(run.step),
         reached_target=reached_target(run, t) if t["target_top1"] is not None else None,
     )  # fmt: skip
     # Every rank waits for the logging rank to finish logging before any of them closes its connections:
     # gloo can abort a process whose peer disappears while it still works.
-    guard.run(Phase.EXIT, host.comm.barrier, run.last_epoch, Site.END, {Phase.END: replica_spread})
+    elastic.run(Phase.EXIT, host.comm.barrier, run.last_epoch, Site.END, {Phase.END: replica_spread})
     return summary
 
 
-def close(host: Host, left: bool = False) -> None:
+def close(host: Closing, left: bool = False) -> None:
     """Close files; a rank that ``left`` the run never touches a process group again. After a loss the groups are
     aborted: destroying one waits for what it queued, on NCCL maybe for the lost rank, forever."""
-    host.guard.stop()
+    host.elastic.stop()
     host.membership.cancel_ahead()  # (after the heartbeat, which prepares them, has stopped)
     host.recorder.close(left)
     if not left and dist.is_initialized():
-        (dist.distributed_c10d._abort_process_group if host.guard.lost_ranks else dist.destroy_process_group)()
+        (dist.distributed_c10d._abort_process_group if host.elastic.lost_ranks else dist.destroy_process_group)()
     elif not left and host.membership.group is not None:  # a process that joined: its groups are its own
         retire([host.membership.group])

@@ -1,10 +1,8 @@
 """The trainer: it builds its components from the resolved config and runs epochs of steps; every other job is a
-component with its own *when* and *what* (torchtitan's shape): the run's position (``engine.state``), checkpoints
-(``engine.checkpoint``), evaluation (``engine.evaluate``), records (``engine.metrics``), the failure guard chosen
-once (``engine.guard``), joins (``engine.joins``), a stop on SIGTERM (``engine.stop``). :meth:`Trainer.state_dict` is
-the one way state is checkpointed and sent to a healed or joining rank; :meth:`Trainer.apply` carries out every
-hook's report (``engine.reports``). Nothing here depends on which sync algorithm runs: ``algorithms/base.py``
-states the contract.
+component with its own *when* and *what* (torchtitan's shape): the run's position and state (``engine.state``),
+checkpoints, evaluation, records (``engine.metrics``), the elastic component chosen once (``engine.elastic``: losses
+survived, joiners admitted), a stop on SIGTERM. :meth:`Trainer.apply` carries out every hook's report
+(``engine.reports``), :meth:`Trainer.resize` an admission. Nothing here depends on which sync algorithm runs.
 """
 
 from __future__ import annotations
@@ -25,18 +23,18 @@ from distributed.clock import build_clock
 from distributed.comm import Communicator
 from distributed.world import configure_device, select_device
 from engine.checkpoint import Checkpointer
-from engine.ending import close, finish
+from engine.elastic.build import build_elastic, worker_membership
+from engine.elastic.face import Resize
+from engine.elastic.positions import Phase, Site
+from engine.ending import close, finish, finished_already
 from engine.evaluate import Evaluation, Evaluator, reached_target
-from engine.failures import Phase
-from engine.guard import Site, build_guard
-from engine.joins import Joins, worker_membership
-from engine.launchers import launcher_name
-from engine.metrics import NoLogger, Recorder, progress_bar, shown
-from engine.optim import build_replica
+from engine.metrics import NoLogger, Recorder, progress_bar
+from engine.optim import build_replica, build_schedule, rehearse
 from engine.reports import carry_out
-from engine.state import LoopState, RunState
+from engine.state import LoopState, RunState, load_replica, load_trainer_state, trainer_state
 from engine.stop import StopRequest
-from models.factory import compile_mode, uses_channels_last
+from engine.summary import banner
+from models.factory import uses_channels_last
 
 
 class Trainer:
@@ -45,15 +43,14 @@ class Trainer:
     def __init__(self, cfg: dict[str, Any], run_dir: str):
         self.cfg, self.run_dir, t = cfg, run_dir, cfg["trainer"]
         torch.set_num_threads(t["threads"])
-        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         self.device = select_device(t["device"], *local)
         configure_device(self.device, t["cudnn_benchmark"])
         self.clock = build_clock(self.device)  # compute and communication timed where they run (on a GPU: there)
-        self.joining = bool(t["join"])  # a process that joins a running world (engine/joins.py)
-        self.membership = worker_membership(t, self.device, self.rank, self.world_size, run_dir)
-        if self.joining:  # (its id comes with its ticket)
-            self.rank, self.world_size = -1, self.membership.initial_size
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.membership = worker_membership(t, self.device, rank, world_size, run_dir)
+        self.rank, self.world_size = self.membership.rank, self.membership.initial_size  # (a joiner: rank -1)
+        self.changes = self.membership.follow()  # the one reader of the membership's changes
         self.comm = Communicator(self.membership, self.clock)
         torch.manual_seed(t["seed"])  # the same on every rank: identical initial replicas (without DDP too)
         self.data = data = build_data(cfg["data"])
@@ -62,89 +59,92 @@ class Trainer:
             cfg, data, self.device, self.world_size
         )
         self.straggler, self.criterion = instantiate(cfg["straggler"]), nn.CrossEntropyLoss()
+        self.elastic = build_elastic(t, self.membership, self.comm, run_dir, self.raw_model)
+        self.awaiting = None  # a joiner's: the rest of its state, still on its way (complete())
         channels_last = uses_channels_last(cfg["model"], self.device)  # (the batches' memory format is the model's)
         self.loaders = Loaders(data, self.batch_size, cfg["data"]["num_workers"], t["seed"], self.device, channels_last)
         self.run = RunState()
         every, every_steps = t["checkpoint_every"], t["checkpoint_every_steps"]
         self.checkpointer = Checkpointer(run_dir, self.rank, every, t["resume"], every_steps, config=cfg)
         self.stop = StopRequest(self.membership)
-        state, resumed = None if self.joining else self.checkpointer.load(), None
+        state, resumed = self.elastic.resume(self.checkpointer.load), None  # (a joiner's comes with its admission)
         if state is not None:
-            self.load_replica(state)
+            load_replica(self, state)
             self.run.resume(state, len(data.train), self.world_size, self.batch_size)
             resumed = self.checkpointer.resumed(state.get("world_size"), self.world_size, self.run, t["epochs"])
-            # The LR scale an eviction or a lost rank set (survivors / initial ranks) belonged to the shrunk world
-            # it was set in; a resumed world has all its processes, at whatever size, and the LR its size gives.
-            self.schedule.scale = 1.0
-        self.sync = instantiate(cfg["sync"])  # (and again where a join reshapes the run: engine/joins.py)
+            self.schedule.scale = 1.0  # (an eviction's or a loss's LR scale was the shrunk world's, not this one's)
+        self.sync = instantiate(cfg["sync"])  # (and again where an admission resizes the world: resize)
         self.loop = LoopState()
-        if not self.joining:  # (a joining process sets up its algorithm and loaders once admitted: joins.reshape)
-            self.sync.setup(self.raw_model, self.optimizer, self.context())
-            if state is not None:
-                self.checkpointer.restore_sync(self.sync, state, self.device)
-            self.loaders.build(self.membership.size, self.membership.index)
         logger = instantiate(cfg["logger"]) if not self.done() else NoLogger()  # nothing to train, nothing to log
         self.recorder = Recorder(run_dir, cfg, self.sync.name, self.membership, logger)
         evaluator = Evaluator(self.comm, self.amp.autocast, self.device, data.num_classes)
         self.evaluation = Evaluation(t, evaluator, self.run, self.recorder)
-        self.guard = build_guard(t["on_failure"], self.membership, t["hang_timeout_s"], self)
-        self.joins = Joins(self.membership, t["hang_timeout_s"], self) if t["on_failure"] == "continue" else None
-        if not self.done() and not self.joining:  # (a run resumed at its end writes nothing more)
-            self.recorder.start(self.membership.hosts, self.run.epoch + 1, self.step, resumed)
-        m = cfg["model"]
-        model = [f"{self.num_params / 1e6:.2f} M params"] + ["channels_last"] * uses_channels_last(m, self.device)
-        model += [f"compiled ({m['compile_backend']})"] if compile_mode(m) else []
-        self.recorder.console(
-            f"relaxsync: {self.world_size} x {self.device.type} ({launcher_name()}), model {m['name']} "
-            f"({', '.join(model)}), sync {self.sync.name}, {self.loaders.steps_per_epoch} "
-            f"steps/epoch, global batch {self.batch_size * self.world_size}, run dir {shown(run_dir)}"
-        )
+        self.elastic.attach(self, partial(self.begin, state, resumed))  # (a joiner begins at its admission: resize)
+        at = self.loaders.steps_per_epoch, self.batch_size, run_dir
+        self.recorder.console(banner(cfg["model"], self.device, self.world_size, self.num_params, self.sync.name, *at))
 
     @property
     def step(self) -> int:
         return self.run.step
 
     def state_dict(self) -> dict[str, Any]:
-        """The replica, the sync algorithm's shared state and the position in the run (a checkpoint's content, the
-        config aside); under ``loop``, what the loop of this invocation carries (never checkpointed)."""
+        """The one way state is checkpointed and sent to a healed rank or a joiner (``engine/state.py``)."""
         self.complete()
-        return {
-            "model": self.raw_model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "amp": self.amp.state_dict(),
-            "schedule": self.schedule.state_dict(),
-            "sync": self.sync.state_dict(),
-            **self.run.state_dict(),
-            "world_size": self.membership.size,
-            "loop": self.loop.state_dict(),
-        }
+        return trainer_state(self)
 
     def context(self, replicas_agree: bool = False) -> SyncContext:
         """What the sync algorithm works with (here, and again where a join reshapes the run)."""
-        guests = (lambda steps: self.joins.guests(steps)) if self.cfg["trainer"]["on_failure"] == "continue" else None
-        return SyncContext(self.comm, self.membership, self.device, replicas_agree, guests)
+        return SyncContext(self.comm, self.membership, self.device, replicas_agree, self.elastic.guests)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Become the replica of a peer's :meth:`state_dict` (this rank's own algorithm state stays its own)."""
         self.complete()  # (what arrives later must not overwrite it)
-        self.load_replica(state)
-        self.run.load_state_dict(state)
-        self.sync.load_state_dict(state["sync"])
-        self.loop.load_state_dict(state["loop"])
-
-    def load_replica(self, state: dict[str, Any]) -> None:
-        """Take the model, optimizer and AMP state of ``state`` (a checkpoint's or a peer's; a process that joins
-        takes the optimizer's later, :meth:`complete`)."""
-        self.raw_model.load_state_dict(state["model"])
-        if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.amp.load_state_dict(state["amp"])
+        load_trainer_state(self, state)
 
     def complete(self) -> None:
-        """On a process that joined, before it first steps, settles or hands its state on: the rest of its state,
-        which arrived while it computed (``engine/joins.py``); nothing anywhere else."""
-        if self.joins is not None:
-            self.joins.complete()
+        """On a joiner, before it first steps, settles or hands its state on: the rest of its state, sent meanwhile."""
+        awaiting, self.awaiting = self.awaiting, None
+        if awaiting is not None:
+            awaiting(self.optimizer, self.sync)
+
+    def begin(self, state: dict[str, Any] | None, resumed: Any) -> None:
+        """Set up the sync algorithm and loaders for the world as it is, from the checkpoint ``state`` if any."""
+        self.sync.setup(self.raw_model, self.optimizer, self.context())
+        if state is not None:
+            self.checkpointer.restore_sync(self.sync, state, self.device)
+        self.loaders.build(self.membership.size, self.membership.index)
+        if not self.done():  # (a run resumed at its end writes nothing more)
+            self.recorder.start(self.membership.hosts, self.run.epoch + 1, self.step, resumed)
+
+    def resize(self, change: Resize) -> None:
+        """Go on as a run resumed from ``change.state`` (a checkpoint's) at the membership's new size, with this rank's
+        own algorithm state (a joiner's starts fresh). The admission is followed by this, not on_membership_change."""
+        state, m = change.state, self.membership
+        if change.replica:
+            load_replica(self, state, change.partial_model)
+        self.rank = self.checkpointer.rank = m.rank
+        self.run.resume(state, len(self.data.train), m.size, self.batch_size)
+        self.schedule = build_schedule(self.cfg, len(self.data.train), m.size)
+        self.sync = None  # (the old algorithm's hooks on the model, DDP's, go with it before the new one's)
+        self.sync = instantiate(self.cfg["sync"])
+        self.sync.setup(self.raw_model, self.optimizer, self.context(replicas_agree=True))
+        if "sync" in state:  # (a joiner may take a late shared state later: complete())
+            self.sync.load_state_dict(state["sync"])
+        if change.own is not None:
+            self.sync.load_local_state_dict(change.own)
+        self.loaders.build(m.size, m.index)
+        self.loop = LoopState(epochs_this_run=self.loop.epochs_this_run)
+        self.changes.take()
+        self.awaiting = change.rest
+        self.recorder.elect()
+
+    def joined_at(self, step: int) -> None:
+        self.run.step = step  # a joiner is where the members are: at the admission step (before its state comes)
+
+    def rehearse(self) -> None:
+        """On a joiner about to ask: a step thrown away, so that its first once admitted runs at the members' pace."""
+        example = self.loaders.example_batch(self.batch_size)
+        rehearse(self.raw_model, self.criterion, self.amp, self.optimizer, example, self.device)
 
     def done(self) -> bool:
         """Whether the run has reached its end (``trainer.epochs``, ``trainer.max_steps`` or ``target_top1``)."""
@@ -153,32 +153,24 @@ class Trainer:
 
     def fit(self) -> dict[str, Any] | None:
         """Train until the end of the run or ``max_epochs_per_run``; return the summary (logging rank)."""
-        if self.done():  # resumed from a checkpoint at its end: train nothing, write no summary; return the top-1
-            self.recorder.console(self.checkpointer.finished(self.run, self.cfg["trainer"]["epochs"]))
-            self.comm.barrier()
-            return {"top1": (self.run.last_eval or {}).get("top1"), "already_finished": True}
+        if self.done():  # resumed from a checkpoint at its end: train nothing, write no summary
+            return finished_already(self)
         self.recorder.count_wire_bytes(self.cfg["trainer"].get("netdev"))
         train_start = time.perf_counter()
         self.stop.arm()
         try:
-            if self.joining:
-                self.joins.enter()  # (starts the guard once this process has its id)
-            else:
-                self.guard.start()
-            if self.joins is not None:
-                self.joins.start(self.step)
-            self.guard.repeat(self.train_epochs)  # (a rank healed from a peer enters again where the peer is)
+            self.elastic.start(self.step)  # (a joiner asks here, and begins once admitted)
+            self.elastic.repeat(self.train_epochs)  # (a rank healed from a peer enters again where the peer is)
         finally:
             self.stop.disarm()
-            if self.joins is not None:
-                self.joins.close()  # (a process still waiting to join is told)
-        return finish(self, time.perf_counter() - train_start)
+            self.elastic.close()  # (a joiner still waiting is told)
+        spread = partial(self.evaluation.evaluator.replica_spread, self.raw_model)
+        return finish(self, time.perf_counter() - train_start, spread)
 
     def train_epochs(self) -> None:
         """Epochs, each followed by its evaluation and checkpoint, until the run ends or stops."""
-        t = self.cfg["trainer"]
-        while self.guard.entry(Site.END) is None:
-            carried = self.guard.entry(Site.EPOCH_END)
+        while self.elastic.entry(Site.END) is None:
+            carried = self.elastic.entry(Site.EPOCH_END)
             if carried is not None:  # a rank healed from a peer that is past this epoch's steps
                 epoch, finished, stop = carried["epoch"], carried["finished_epoch"], carried["stop"]
             elif self.done():
@@ -191,33 +183,30 @@ class Trainer:
                 if finished:
                     self.run.finish_epoch(epoch)
                 self.loop.epochs_this_run += 1
-                per_run = t["max_epochs_per_run"]
+                per_run = self.cfg["trainer"]["max_epochs_per_run"]
                 stop = self.stop.reached(self.step) or (per_run is not None and self.loop.epochs_this_run >= per_run)
             carry = {"loop": {"epoch": epoch, "finished_epoch": finished, "stop": stop}}
             if self.evaluation.due_at_epoch_end(epoch, finished, self.done()):
-                self.guard.run(Phase.EVALUATION, partial(self.evaluate, epoch), epoch, Site.EPOCH_END, carry)
+                self.elastic.run(Phase.EVALUATION, partial(self.evaluate, epoch), epoch, Site.EPOCH_END, carry)
             if self.checkpointer.due(epoch, finished, self.done(), stop):
-                self.guard.run(Phase.CHECKPOINT, partial(self.save_checkpoint, epoch), epoch, Site.EPOCH_END, carry)
+                self.elastic.run(Phase.CHECKPOINT, partial(self.save_checkpoint, epoch), epoch, Site.EPOCH_END, carry)
             if stop or self.done():
                 return
 
     def train_epoch(self, epoch: int) -> bool | None:
-        """Train epoch ``epoch`` (from 1; or its rest, after a mid-epoch resume); return whether it ran to its end
-        (None: processes joined mid-epoch, and the rest of it is sharded again)."""
+        """Train epoch ``epoch`` (from 1; or its rest); return whether it ran to its end (None: a join resharded it)."""
         t = self.cfg["trainer"]
-        if self.joins is not None:
-            self.joins.admit_if_due(epoch, Site.NONE)
-        start = self.guard.run(Phase.EPOCH_START, lambda: self.sync.on_epoch_start(epoch), epoch)
+        self.elastic.admit_if_due(epoch, Site.NONE)
+        start = self.elastic.run(Phase.EPOCH_START, lambda: self.sync.on_epoch_start(epoch), epoch)
         if start is not None:  # (None on a rank healed from a peer already past the start of this epoch)
             self.apply(start, epoch, at_epoch_start=True)  # may change ranks and loaders
-        # Per-epoch, per-rank RNG: augmentation and dropout are reproducible on resume from an epoch boundary.
-        torch.manual_seed(t["seed"] * 100_003 + epoch * 1_009 + self.rank)
+        torch.manual_seed(t["seed"] * 100_003 + epoch * 1_009 + self.rank)  # (per epoch and rank: reproducible)
         self.loaders.start_epoch(epoch, self.run.epoch_samples if self.run.step_in_epoch else 0)  # (mid-epoch resume)
         self.sync.module.train()
         run, show = self.run, self.membership.is_logging_rank and t["progress"]
         total = min(self.loaders.steps_per_epoch, run.step_in_epoch + self.max_steps - run.step)  # (max_steps)
         with progress_bar(total, run.step_in_epoch, f"epoch {epoch}/{t['epochs']}", show) as bar:
-            carried = self.guard.entry(Site.BETWEEN_STEPS)  # a rank healed from a peer that is between two steps
+            carried = self.elastic.entry(Site.BETWEEN_STEPS)  # a rank healed from a peer that is between two steps
             if carried is not None and self.between_steps(epoch, carried["step_s"]):
                 return self.run.step_in_epoch >= self.loaders.steps_per_epoch
             # Every rank runs the same number of steps, whatever the length of its own shard.
@@ -230,34 +219,33 @@ class Trainer:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['samples_per_s']:.0f}", refresh=False)
                 if self.between_steps(epoch, record["step_s"]):
                     break
-                if self.joins is not None and self.joins.admit_if_due(epoch, Site.BETWEEN_STEPS):
-                    return None
+                if self.run.step_in_epoch < self.loaders.steps_per_epoch:  # (else the next epoch's start admits)
+                    if self.elastic.admit_if_due(epoch, Site.BETWEEN_STEPS):
+                        return None
                 tick = time.perf_counter()
         return self.run.step_in_epoch >= self.loaders.steps_per_epoch
 
     def between_steps(self, epoch: int, step_s: float) -> bool:
-        """After a step (the last taking ``step_s`` seconds): an evaluation on the side, a step checkpoint; returns
-        whether the epoch's steps end here (``max_steps``, a stop, the target top-1)."""
+        """After a step of ``step_s`` seconds: an evaluation on the side, a step checkpoint; whether the epoch ends."""
         carry, run = {"loop": {"step_s": step_s}}, self.run
         if self.evaluation.due_on_the_side(run.step):
-            self.guard.run(Phase.EVALUATION, partial(self.evaluate, epoch, True), epoch, Site.BETWEEN_STEPS, carry)
+            self.elastic.run(Phase.EVALUATION, partial(self.evaluate, epoch, True), epoch, Site.BETWEEN_STEPS, carry)
         if run.step >= self.max_steps or self.stop.due(run.step, step_s) or self.evaluation.reached_target():
             return True
         if self.checkpointer.due_between_steps(run.step, run.step_in_epoch, self.loaders.steps_per_epoch):
-            self.guard.run(Phase.CHECKPOINT, lambda: self.save_checkpoint(epoch), epoch, Site.BETWEEN_STEPS, carry)
+            self.elastic.run(Phase.CHECKPOINT, lambda: self.save_checkpoint(epoch), epoch, Site.BETWEEN_STEPS, carry)
         return False
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, epoch: int, tick: float) -> dict[str, Any]:
         """One optimizer step on batch ``(x, y)``, fetched since ``tick``; returns its train record."""
         data_s = time.perf_counter() - tick  # (the loaders yield it ready: on the device, normalized, in its layout)
-        report, result, slept = self.guard.run(Phase.STEP, lambda: self._compute(x, y, epoch, data_s), epoch)
+        report, result, slept = self.elastic.run(Phase.STEP, lambda: self._compute(x, y, epoch, data_s), epoch)
         exchange = lambda: self.sync.after_optimizer_step(result)  # noqa: E731
-        report += self.guard.run(Phase.EXCHANGE, exchange, epoch, carry={Phase.STEP: (report, result, slept)})
+        report += self.elastic.run(Phase.EXCHANGE, exchange, epoch, carry={Phase.STEP: (report, result, slept)})
         counts, step_s, world = self.comm.take(), time.perf_counter() - tick, self.membership.size
         self.straggler.observe(result.compute_s - slept)
-        record = self.recorder.train_record(
-            result, counts, report.metrics, world, self.batch_size, step_s, self.amp.loss_scale
-        )
+        loss_scale = self.amp.loss_scale
+        record = self.recorder.train_record(result, counts, report.metrics, world, self.batch_size, step_s, loss_scale)
         self.apply(report, epoch)
         self.recorder.write(record, self.step)
         self.run.stepped(self.batch_size * self.loaders.train.sampler.num_replicas)
@@ -274,7 +262,7 @@ class Trainer:
         self.amp.backward(loss, self.optimizer)
         backward_end = self.clock.mark()
         report = self.sync.after_backward(self.step, self.amp.unscale(self.optimizer))
-        self.complete()  # (before the LR is set: the optimizer's state a joining process loads has the sender's)
+        self.complete()  # (before the LR is set: the optimizer's state a joiner loads has the sender's)
         lr = self.schedule.apply(self.optimizer, self.run.epoch + self.run.step_in_epoch / self.loaders.steps_per_epoch)
         stepped = self.amp.step(self.optimizer, report.grads_finite)
         loss_value = loss.item()  # the step's one drain: on a GPU, every mark above has been reached after it
@@ -283,11 +271,12 @@ class Trainer:
 
     def apply(self, report: SyncReport, epoch: int, at_epoch_start: bool = False) -> None:
         """Carry out a hook's report (``engine/reports.py``), following the membership changes since the last."""
-        carry_out(self, report, epoch, at_epoch_start)
+        self.loop.reshard_next_epoch, scale = carry_out(self, report, epoch, at_epoch_start)
+        if scale is not None:
+            self.schedule.scale = scale
 
     def settle(self) -> None:
-        """Complete the exchanges in flight and bring the replicas into agreement (``drain()``, ``before_eval()``),
-        once per step: a checkpoint right after an evaluation reuses its agreement."""
+        """Complete the exchanges in flight and agree the replicas (``drain``, ``before_eval``), once per step."""
         self.complete()
         if self.loop.agreed_at_step != self.step:
             self.sync.drain()
@@ -296,8 +285,8 @@ class Trainer:
             self.loop.agreed_at_step = self.step
 
     def evaluate(self, epoch: int, on_the_side: bool = False) -> dict[str, Any]:
-        model, replicas, val = self.raw_model, self.sync.evaluates_replicas, self.loaders.val
-        return self.evaluation.evaluate(epoch, model, replicas, val, self.settle, on_the_side)
+        val, replicas = self.loaders.val, self.sync.evaluates_replicas
+        return self.evaluation.evaluate(epoch, self.raw_model, replicas, val, self.settle, on_the_side)
 
     def save_checkpoint(self, epoch: int) -> None:
         """Checkpoint during or at the end of epoch ``epoch`` (from 1); the logging rank writes the main file."""

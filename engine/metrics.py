@@ -1,16 +1,14 @@
-"""Metrics: ``metrics.jsonl`` (always) and an optional experiment logger (W&B), on the logging rank only.
+"""Metrics: ``metrics.jsonl`` (always) and an optional experiment logger, on the logging rank only.
 
-One JSON object per line, ``kind`` in {train, eval, event, summary}; the logger receives the same values under
-``<kind>/<key>`` names (``train/loss``, ``comm/bytes_sent``, ...). :class:`Recorder` is the trainer's side of
-it: which rank writes, the records, the console lines and the W&B event tables.
+One JSON object per line, ``kind`` in {train, eval, event, summary}; the logger (:class:`ExperimentLogger`, W&B's in
+``engine.wandb_logger``) receives the same values. :class:`Recorder` is the trainer's side of it: which rank writes,
+the records, the console lines and the W&B event tables; the summary that ends a run is ``engine.summary``'s.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -18,10 +16,8 @@ from typing import Any
 
 from engine.launchers import launcher_name, world_id
 from engine.rundir import Lease
-from errors import ConfigError, require
+from engine.summary import StepStats, format_summary, run_summary
 
-# Train-record keys that W&B files under comm/ rather than train/ (summary totals stay under summary/).
-COMM_KEYS = ("bytes_sent", "payload_bytes", "comm_s", "wire_bytes")
 CONFIG_FILE = "config.yaml"  # the resolved config, saved in the run dir
 
 
@@ -100,109 +96,6 @@ class ExperimentLogger:
 
 class NoLogger(ExperimentLogger):
     """``logger=none``: metrics.jsonl only."""
-
-
-def wandb_keys(record: dict[str, Any], lists: bool = False) -> dict[str, Any]:
-    """``{"kind": "train", "loss": 1.0, "bytes_sent": 8}`` -> ``{"train/loss": 1.0, "comm/bytes_sent": 8}``;
-    numbers only, and with ``lists`` also lists of numbers (e.g. a summary's evicted ranks)."""
-    kind = record.get("kind", "train")
-    out = {}
-    for key, value in record.items():
-        number = isinstance(value, (int, float, bool))
-        numbers = lists and isinstance(value, list) and all(isinstance(v, (int, float)) for v in value)
-        if key in ("kind", "time") or not (number or numbers):  # (W&B stamps its own time)
-            continue
-        prefix = "comm" if kind == "train" and key in COMM_KEYS else kind
-        out[f"{prefix}/{key}"] = value
-    return out
-
-
-class WandbLogger(ExperimentLogger):
-    """Weights & Biases (offline by default). The run config is the resolved Hydra config."""
-
-    MODES = ("offline", "online", "disabled")
-
-    def __init__(
-        self,
-        project: str = "relaxsync",
-        entity: str | None = None,
-        group: str | None = None,
-        mode: str = "offline",
-        tags: list[str] | None = None,
-    ):
-        self.project, self.entity, self.group, self.mode = project, entity, group, mode
-        self.tags = list(tags or [])
-        self.run = None
-
-    @classmethod
-    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
-        require(section["mode"] in cls.MODES, "logger.mode", section["mode"], "one of offline, online, disabled")
-        try:
-            import wandb  # noqa: F401
-        except ImportError as exc:
-            raise ConfigError("logger", "wandb", "the wandb package installed (or logger=none)") from exc
-
-    def start(self, run_dir, config, sync_name):
-        import wandb
-
-        # The id is a function of the run dir: a resumed run, or a new logging rank after the previous one
-        # was evicted, continues the same W&B run.
-        run_id = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:16]
-        self.run = wandb.init(
-            id=run_id,
-            resume="allow",
-            project=self.project,
-            entity=self.entity,
-            group=self.group or sync_name,
-            tags=[sync_name, *self.tags],
-            mode=self.mode,
-            dir=run_dir,
-            config=config,
-            settings=wandb.Settings(console="off", silent=True),
-        )
-
-    def log(self, record, step=None):
-        if self.run is not None:
-            self._guarded(lambda: self.run.log(wandb_keys(record), step=step))
-
-    def log_table(self, name, columns, rows):
-        if self.run is not None and rows:
-            import wandb
-
-            self._guarded(lambda: self.run.log({name: wandb.Table(columns=columns, data=rows)}))
-
-    def finish(self, summary):
-        if self.run is not None:
-
-            def finish() -> None:
-                for key, value in wandb_keys(summary or {}, lists=True).items():
-                    self.run.summary[key] = value
-                self.run.finish()
-
-            self._guarded(finish)
-            self.run = None
-
-    def _guarded(self, call: Callable[[], Any]) -> None:
-        """W&B is a copy of metrics.jsonl: its failure (Slurm signals every process of a job step, W&B's service
-        process among them, and it ends on SIGTERM) ends the W&B run for this process, never the training run."""
-        try:
-            call()
-        except Exception as error:
-            run, self.run = self.run, None
-            print(
-                f"relaxsync: W&B run {run.id} stopped logging ({type(error).__name__}: {error}); metrics.jsonl keeps "
-                "every record, and a resumed run continues the W&B run",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def describe(self):
-        if self.run is None:
-            return None
-        where = shown(os.path.dirname(self.run.dir))  # <run dir>/wandb/<mode>-run-<time>-<id>
-        if self.mode == "offline":
-            return f"W&B offline run in {where}; upload it later with: wandb sync {where}"
-        return f"W&B {self.mode} run {self.run.id} ({where})"
 
 
 class Recorder:
@@ -370,66 +263,6 @@ class Recorder:
             self.logger.finish(None)
 
 
-class StepStats:
-    """What the train records of this invocation add up to."""
-
-    def __init__(self):
-        self.count, self.bytes_sent, self.comm_s = 0, 0.0, 0.0
-        self.samples_per_s: list[float] = []
-
-    def add(self, record: dict[str, Any]) -> None:
-        self.count += 1
-        self.bytes_sent += record["bytes_sent"]
-        self.comm_s += record["comm_s"]
-        self.samples_per_s.append(record["samples_per_s"])
-
-    def summary(self) -> dict[str, float | None]:
-        """Median samples/s of a step, and bytes sent and seconds communicating per step (means per rank)."""
-        if not self.count:
-            return {"samples_per_s": None, "bytes_per_step": None, "comm_s_per_step": None}
-        return {
-            "samples_per_s": statistics.median(self.samples_per_s),
-            "bytes_per_step": self.bytes_sent / self.count,
-            "comm_s_per_step": self.comm_s / self.count,
-        }
-
-
-def run_summary(run: Any, membership: Any, totals: Any, steps: StepStats, lost_ranks: list[int], **fields: Any):
-    """The summary record of an invocation at ``run`` (an ``engine.state.RunState``) whose active ranks are
-    ``membership``'s, with ``totals`` of traffic, this invocation's ``steps`` and the ``lost_ranks``; ``fields``:
-    finished, replica_spread, stopped_by, train_s, num_params, reached_target."""
-    m, last, best = membership, run.last_eval or {}, run.best_eval or {}
-    gone = set(range(m.initial_size)) - set(m.ranks)
-    return {
-        "kind": "summary",
-        "finished": fields["finished"],
-        "steps": run.step,
-        "epochs": run.epoch,  # completed
-        "epoch": run.last_epoch,
-        "world_size": m.size,
-        "initial_world_size": m.initial_size,
-        "ranks": m.ranks,
-        "evictions": m.initial_size - m.size - len(lost_ranks),
-        "evicted_ranks": sorted(gone - set(lost_ranks)),
-        "lost_ranks": sorted(lost_ranks),  # died or hung (trainer.on_failure: continue)
-        "replica_spread": fields["replica_spread"],
-        "stopped_by": fields["stopped_by"],
-        "train_s": fields["train_s"],
-        "steps_this_run": steps.count,
-        **steps.summary(),
-        "bytes_sent": totals.bytes_sent,
-        "payload_bytes": totals.payload_bytes,
-        "comm_s": totals.comm_s,
-        "num_params": fields["num_params"],
-        "top1": last.get("top1"),
-        "top5": last.get("top5"),
-        "val_loss": last.get("loss"),
-        "best_top1": best.get("top1"),
-        "best_epoch": best.get("epoch"),
-        "reached_target": fields["reached_target"],
-    }
-
-
 def progress_bar(total: int, initial: int, description: str, show: bool) -> Any:
     """A tqdm bar on stderr (``show``: the logging rank, ``trainer.progress``), refreshed sparsely when stderr is a
     file."""
@@ -454,62 +287,6 @@ def save_config(cfg: dict[str, Any], path: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f, sort_keys=False)
-
-
-def format_summary(summary: dict[str, Any], trainer: dict[str, Any], run_dir: str) -> str:
-    """The console block that ends a run (``trainer`` is the trainer section of the config)."""
-    s, of = summary, f"of {trainer['epochs']}"
-    if s.get("stopped_by"):
-        head = f"stopped by {s['stopped_by']} at step {s['steps']} in epoch {s['epoch']} {of}"
-    elif not s["finished"]:
-        head = (
-            f"stopped after epoch {s['epoch']} {of} (trainer.max_epochs_per_run={trainer['max_epochs_per_run']}) "
-            f"at step {s['steps']}"
-        )
-    elif trainer["max_steps"] is not None and s["steps"] >= trainer["max_steps"]:
-        head = f"finished at step {s['steps']} (trainer.max_steps) in epoch {s['epoch']} {of}"
-    else:
-        head = f"finished epoch {s['epoch']} {of} at step {s['steps']}"
-    lines = [f"relaxsync: {head}; {s['steps_this_run']} steps in {_duration(s['train_s'])} this run"]
-    if s["top1"] is not None:
-        best = f", best {s['best_top1']:.2f}% (epoch {s['best_epoch']})" if s["best_top1"] is not None else ""
-        lines.append(f"  top-1     {s['top1']:.2f}% final{best}; top-5 {s['top5']:.2f}%")
-    if s["samples_per_s"] is not None:
-        lines.append(
-            f"  speed     {s['samples_per_s']:.0f} samples/s (median step); "
-            f"{s['comm_s_per_step']:.3f} s/step communicating"
-        )
-        lines.append(
-            f"  traffic   {_bytes(s['bytes_per_step'])} sent per rank and step, {_bytes(s['bytes_sent'])} in all"
-        )
-    evicted = ", ".join(str(r) for r in s["evicted_ranks"]) or "none"
-    lost = f"; lost: {', '.join(str(r) for r in s['lost_ranks'])}" if s.get("lost_ranks") else ""
-    lines.append(f"  ranks     {s['world_size']} of {s['initial_world_size']} at the end; evicted: {evicted}{lost}")
-    lines.append(f"  run dir   {shown(run_dir)}")
-    if not s["finished"]:
-        lines.append(f"  continue  the same command with: trainer.resume=auto trainer.run_dir={shown(run_dir)}")
-    return "\n".join(lines)
-
-
-def shown(path: str) -> str:
-    """``path`` relative to the working directory when it is below it, else absolute."""
-    relative = os.path.relpath(path)
-    return path if relative.startswith("..") else relative
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, secs = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _cell(value: Any) -> Any:

@@ -4,8 +4,10 @@ per-step learning-rate schedule."""
 from __future__ import annotations
 
 import math
+import random
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from hydra.utils import instantiate
 from timm.optim import create_optimizer_v2
@@ -125,3 +127,19 @@ def build_replica(cfg: dict[str, Any], data: DataBundle, device: torch.device, w
     amp = instantiate(cfg["amp"])
     model, optimizer = amp.setup(model, optimizer, device)
     return Replica(model, optimizer, amp, schedule, num_params, max_steps)
+
+
+def rehearse(model: nn.Module, criterion: nn.Module, amp: Any, optimizer: Any, batch: tuple, device: torch.device):
+    """One forward and backward pass of ``model`` on ``batch`` (an example, shaped like the training data), thrown
+    away: the next step runs at a trained process's pace (kernels chosen, memory allocated). What it changes is
+    replaced afterwards (the model, its gradients) or restored here (every random generator it may draw from)."""
+    devices = [device] if device.type == "cuda" else []
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=devices):
+        x, y = batch
+        with amp.autocast():
+            loss = criterion(model(x), y)
+        loss.backward()
+    random.setstate(python)
+    np.random.set_state(numpy)
+    amp.zero_grad(optimizer)

@@ -1,9 +1,11 @@
-"""Where a run stands: one object, saved in every checkpoint and sent to a rank healed from a peer."""
+"""Where a run stands (:class:`RunState`, saved in every checkpoint and sent to a rank healed from a peer), what the
+loop of one invocation carries (:class:`LoopState`), and the trainer's whole state as one dict
+(:func:`trainer_state`, :func:`load_trainer_state`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from data.common import resumed_step_in_epoch, steps_per_epoch
 
@@ -64,7 +66,6 @@ class LoopState:
     agreed_at_step: int | None = None  # the step at which the replicas were last settled (drain, before_eval)
     reshard_next_epoch: bool = False  # a reshard asked mid-epoch, done when the next epoch starts
     epochs_this_run: int = 0  # for trainer.max_epochs_per_run
-    changes_applied: int = 0  # membership changes the trainer has followed (this rank's own count)
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,3 +73,48 @@ class LoopState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.agreed_at_step, self.epochs_this_run = state["agreed_at_step"], state["epochs_this_run"]
         self.reshard_next_epoch = self.reshard_next_epoch or state["reshard_next_epoch"]
+
+
+class Stateful(Protocol):
+    """What the trainer's state is made of."""
+
+    raw_model: Any
+    optimizer: Any
+    amp: Any  # engine.amp's backend
+    schedule: Any  # engine.optim's LR schedule
+    sync: Any  # the sync algorithm
+    run: RunState
+    loop: LoopState
+    membership: Any  # distributed.membership.Membership
+
+
+def trainer_state(t: Stateful) -> dict[str, Any]:
+    """The replica, the sync algorithm's shared state and the position in the run (a checkpoint's content, the
+    config aside); under ``loop``, what the loop of this invocation carries (never checkpointed)."""
+    return {
+        "model": t.raw_model.state_dict(),
+        "optimizer": t.optimizer.state_dict(),
+        "amp": t.amp.state_dict(),
+        "schedule": t.schedule.state_dict(),
+        "sync": t.sync.state_dict(),
+        **t.run.state_dict(),
+        "world_size": t.membership.size,
+        "loop": t.loop.state_dict(),
+    }
+
+
+def load_replica(t: Stateful, state: dict[str, Any], partial_model: bool = False) -> None:
+    """Take the model, optimizer and AMP state of ``state`` (a checkpoint's or a peer's; a joiner takes the
+    optimizer's later, and with ``partial_model`` keeps the model's tensors ``state`` lacks)."""
+    t.raw_model.load_state_dict(state["model"], strict=not partial_model)
+    if "optimizer" in state:
+        t.optimizer.load_state_dict(state["optimizer"])
+    t.amp.load_state_dict(state["amp"])
+
+
+def load_trainer_state(t: Stateful, state: dict[str, Any]) -> None:
+    """Become the replica of a peer's :func:`trainer_state` (this rank's own algorithm state stays its own)."""
+    load_replica(t, state)
+    t.run.load_state_dict(state)
+    t.sync.load_state_dict(state["sync"])
+    t.loop.load_state_dict(state["loop"])

@@ -12,7 +12,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from distributed.membership import LeftRun
-from engine.failures import is_collective_failure
+from engine.elastic.failures import is_collective_failure
 from engine.loop import Trainer
 
 # The environment this process began with: in a worker forked from the launcher's server (which imports this

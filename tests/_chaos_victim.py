@@ -118,8 +118,10 @@ def install(plan: dict) -> Injector:
 
     from data.common import Loaders
     from distributed import comm
-    from engine import checkpoint, guard
-    from engine.failures import Failures, Phase
+    from engine import checkpoint
+    from engine.elastic import guard
+    from engine.elastic.failures import Failures
+    from engine.elastic.positions import Phase
 
     chaos = Injector(plan)
     phase = chaos.phase

@@ -369,9 +369,9 @@ def _guard_bookkeeping(cfg: dict, run_dir: str) -> None:
 
     trainer = Trainer(cfg, run_dir)
     trainer.fit()
-    trainer.guard.stop()  # (its heartbeat thread; the process group stays up for the next config)
+    trainer.elastic.stop()  # (its heartbeat thread; the process group stays up for the next config)
     trainer.recorder.close()
-    guard = trainer.guard
+    guard = getattr(trainer.elastic, "guard", trainer.elastic)
     seen = {
         "guard": type(guard).__name__,
         "attributes": sorted(vars(guard)),
@@ -403,7 +403,7 @@ def joined_and_resumed(cfg: dict, run_dir: str) -> None:
     import time
 
     import distributed.membership as membership_module
-    from engine.joins import JoinFile
+    from engine.elastic.records import JoinFile
     from engine.loop import Trainer
 
     with open(os.path.join(run_dir, "cases.json")) as f:
@@ -428,7 +428,7 @@ def joined_and_resumed(cfg: dict, run_dir: str) -> None:
         if rank < 2:
             world(f"{name}/joined", 2)
             trainer = Trainer({**case, "trainer": {**case["trainer"], "run_dir": joined}}, joined)
-            admit = trainer.joins.admit
+            admit = trainer.elastic.admit
 
             def admit_after_a_checkpoint(decision, epoch, trainer=trainer, admit=admit, kept=kept):
                 trainer.save_checkpoint(epoch)
@@ -438,7 +438,7 @@ def joined_and_resumed(cfg: dict, run_dir: str) -> None:
                         shutil.copy(os.path.join(written, file), kept)
                 admit(decision, epoch)
 
-            trainer.joins.admit = admit_after_a_checkpoint
+            trainer.elastic.admit = admit_after_a_checkpoint
             if rank == 0:
                 JoinFile.of(trainer.membership).write(joined)
             tickets = trainer.membership.key("join/tickets")

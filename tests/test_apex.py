@@ -378,7 +378,7 @@ def test_o2_masters_are_the_optimizers_from_setup_and_travel_in_the_state(flavor
         {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "amp": backend.state_dict()}
     )
 
-    # A resumed, healed or joining process: the model, the optimizer, then the AMP state (Trainer.load_replica).
+    # A resumed, healed or joining process: the model, the optimizer, then the AMP state (engine.state.load_replica).
     model_2, optimizer_2, backend_2 = build(flavor, "O2", monkeypatch)
     model_2.load_state_dict(state["model"])
     optimizer_2.load_state_dict(state["optimizer"])

@@ -439,7 +439,7 @@ def test_a_hung_peer_is_survived_whatever_the_error_the_survivors_collective_rai
     ids=lambda e: type(e).__name__ + ": " + str(e)[:40],
 )
 def test_any_error_torch_raises_may_be_a_loss_and_the_store_decides(error):
-    from engine.failures import may_be_a_loss
+    from engine.elastic.failures import may_be_a_loss
 
     assert may_be_a_loss(error)
 
@@ -447,7 +447,7 @@ def test_any_error_torch_raises_may_be_a_loss_and_the_store_decides(error):
 @pytest.mark.parametrize("error", [KeyError("lr"), ValueError("bad"), NotImplementedError("todo"), SystemExit(0)])
 def test_python_errors_of_a_ranks_own_are_never_a_loss(error):
     from distributed.membership import LeftRun
-    from engine.failures import may_be_a_loss
+    from engine.elastic.failures import may_be_a_loss
 
     assert not may_be_a_loss(error) and not may_be_a_loss(LeftRun(2, "evicted"))
 
@@ -459,7 +459,7 @@ def _two_ranks_on_one_store(hang_timeout_s: float):
     import torch.distributed as dist
 
     from distributed.membership import Membership
-    from engine.failures import BEAT_S, Failures
+    from engine.elastic.failures import BEAT_S, Failures
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
     membership = Membership(0, 2)
@@ -484,7 +484,7 @@ def _two_ranks_on_one_store(hang_timeout_s: float):
 def test_when_no_peer_is_gone_the_error_is_raised_again_as_it_was(error):
     """Rank 1 beats and saw the failure too: nobody is gone, so rank 0 raises its own error again, itself, not a
     report that the store is unreachable (an NCCL error is a DistError, as the store's are)."""
-    from engine.failures import Phase, Position
+    from engine.elastic.positions import Phase, Position
 
     failures, store, done = _two_ranks_on_one_store(hang_timeout_s=5)
     try:
@@ -499,7 +499,7 @@ def test_when_no_peer_is_gone_the_error_is_raised_again_as_it_was(error):
 def test_a_peer_that_keeps_beating_elsewhere_leaves_the_error_as_it_was_with_a_note():
     """This rank's part failed, rank 1 beats but never reaches a failure: after ``hang_timeout_s`` + ``SILENT_S``
     rank 0's own error goes on up, saying that no peer is gone."""
-    from engine.failures import Phase, Position
+    from engine.elastic.positions import Phase, Position
 
     error = RuntimeError("an error of rank 0's own")
     failures, _, done = _two_ranks_on_one_store(hang_timeout_s=0.5)
@@ -540,8 +540,8 @@ def test_a_peer_silent_before_the_failure_is_recognised_without_watching_it_agai
     import torch.distributed as dist
 
     from distributed.membership import Membership
-    from engine import failures as failures_module
-    from engine.failures import BEAT_S, SILENT_S, Failures
+    from engine.elastic import failures as failures_module
+    from engine.elastic.failures import BEAT_S, SILENT_S, Failures
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
     membership = Membership(0, 3)
@@ -605,7 +605,7 @@ def test_survivors_one_collective_apart_agree_on_the_front_and_who_is_behind_it(
     next step, rank 1 still in the exchange of the last; rank 0 is the front, rank 1 is healed from it. The loop's
     order at one step count: evaluation, checkpoint and epoch start (after the previous step), then the step, its
     exchange."""
-    from engine.failures import left_behind
+    from engine.elastic.positions import left_behind
 
     assert left_behind({0: [11, "step"], 1: [10, "exchange"], 3: [11, "step"]}) == ([11, "step"], [1])
     assert left_behind({0: [10, "step"], 1: [10, "exchange"]}) == ([10, "exchange"], [0])
@@ -806,7 +806,7 @@ def _survivors_form_ahead(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from distributed.membership import Membership
-    from engine.failures import Heartbeat
+    from engine.elastic.failures import Heartbeat
 
     timeout = datetime.timedelta(seconds=30)
     m = Membership(rank, 3, timeout=timeout, backend="gloo", prefix="ahead-test")

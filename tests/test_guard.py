@@ -10,16 +10,17 @@ import pytest
 from _workers import guard_bookkeeping
 from conftest import FAST, train_each
 
-from engine.failures import Phase, Position
-from engine.guard import NoGuard
+from engine.elastic.face import Fixed
+from engine.elastic.positions import Phase, Position
 
 RUN = [*FAST, "trainer.nproc=2", "data.num_samples=256", "data.num_val_samples=64", "trainer.epochs=1"]
 
 
-def test_the_null_guard_runs_each_part_as_it_is_and_keeps_nothing():
-    guard, calls = NoGuard(), []
+def test_the_fixed_face_runs_each_part_as_it_is_and_keeps_nothing():
+    guard, calls = Fixed(), []
     assert guard.run(Phase.STEP, lambda: calls.append("step") or 7, epoch=1) == 7
     assert guard.repeat(lambda: "done") == "done" and guard.entry(None) is None
+    assert not guard.admit_if_due(1, None) and guard.guests is None
     assert calls == ["step"] and vars(guard) == {} and guard.lost_ranks == ()
 
 
@@ -31,7 +32,7 @@ def test_abort_uses_the_null_guard_and_records_no_position_or_history_while_cont
     )
     for rank in (0, 1):
         abort = json.loads((tmp_path / "abort" / f"guard_rank{rank}.json").read_text())
-        assert abort == {"guard": "NoGuard", "attributes": [], "observers": 0, "history": []}, abort
+        assert abort == {"guard": "Fixed", "attributes": [], "observers": 0, "history": []}, abort
         kept = json.loads((tmp_path / "continue" / f"guard_rank{rank}.json").read_text())
         assert kept["guard"] == "SurvivingGuard" and kept["observers"] == 1, kept
         if rank == 0:  # the logging rank kept every record it wrote but the summary, with where the loop was
@@ -63,7 +64,7 @@ def _agreeing(membership, outcomes: list):
     """A stand-in for ``Failures.recover``: each call removes the next ranks as ``Membership.adopt`` does (the
     change holds before the group forms) and then raises the next outcome, or returns the recovery."""
     from distributed.membership import Change
-    from engine.failures import Recovery
+    from engine.elastic.failures import Recovery
 
     def recover(error, at):
         ranks, outcome = outcomes.pop(0)
@@ -87,7 +88,7 @@ def test_a_peer_lost_while_the_survivors_agree_is_agreed_on_in_turn_and_each_los
     import torch.distributed as dist
 
     from distributed.membership import Membership
-    from engine.guard import SurvivingGuard
+    from engine.elastic.guard import SurvivingGuard
 
     host, membership = _Host(), Membership(0, 4)
     guard = SurvivingGuard(membership, 3.0, host)
@@ -119,7 +120,7 @@ def test_an_error_of_pythons_own_is_a_loss_once_the_alarm_of_its_generation_rang
     rank rang the alarm of the generation such an error is a loss like a failed collective; before, or for a
     generation gone by, it is this rank's own and ends the run."""
     from distributed.membership import Membership
-    from engine.guard import SurvivingGuard
+    from engine.elastic.guard import SurvivingGuard
 
     unregistered = ValueError("Process group <...> is not initialized in the world group map.")
     host, membership = _Host(), Membership(0, 3)
@@ -148,8 +149,8 @@ def test_an_error_of_pythons_own_is_a_loss_once_the_alarm_of_its_generation_rang
 
 def test_an_error_of_the_recovery_that_is_no_loss_ends_the_run_and_an_unreachable_store_is_never_retried():
     from distributed.membership import Membership
-    from engine.failures import StoreUnreachable
-    from engine.guard import SurvivingGuard
+    from engine.elastic.failures import StoreUnreachable
+    from engine.elastic.guard import SurvivingGuard
 
     for outcome in (KeyError("front"), StoreUnreachable("cannot reach the c10d store")):
         host, membership = _Host(), Membership(0, 3)
@@ -168,7 +169,7 @@ def test_an_error_after_which_the_survivors_agree_that_no_peer_is_gone_ends_the_
     """``Failures.recover`` raises the error itself when every peer is still there (it was this rank's own, or its
     group's): that ends the run, where agreeing again would find the same and go round for ever."""
     from distributed.membership import Membership
-    from engine.guard import SurvivingGuard
+    from engine.elastic.guard import SurvivingGuard
 
     host, membership = _Host(), Membership(0, 3)
     guard = SurvivingGuard(membership, 3.0, host)
@@ -194,8 +195,8 @@ def test_a_rank_healed_after_a_second_loss_writes_no_loss_the_front_has_written(
     agree on rank 1, and rank 3 (which went on and redid what was in flight, writing rank 2's loss) heals rank 0,
     which takes rank 3's records, rank 2's loss among them, and writes only rank 1's of its own."""
     from distributed.membership import Membership
-    from engine.failures import Phase
-    from engine.guard import CatchUp, SurvivingGuard
+    from engine.elastic.guard import CatchUp, SurvivingGuard
+    from engine.elastic.positions import Phase
 
     host, membership = _Host(), Membership(0, 4)
     replayed = []

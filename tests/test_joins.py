@@ -1,4 +1,4 @@
-"""A process joins a running world without stopping it (``engine/joins.py``): for every sync option, a world of 2
+"""A process joins a running world without stopping it (``engine/elastic``): for every sync option, a world of 2
 that admits a third process mid-epoch ends exactly where the same world checkpointed at the admission step and
 resumed at 3 ends (parameters, optimizer, shared and per-rank sync state, the last evaluation). All cases run in
 one launch of three processes (``_workers.joined_and_resumed``)."""
@@ -21,7 +21,7 @@ from conftest import FAST, ROOT, node_environ, records
 from test_contract import _assert_same, _load
 from test_faults import cli, env, finish, start_nodes, tail, wait_for_train_steps
 
-from engine.joins import JoinFile
+from engine.elastic.records import JoinFile
 from engine.metrics import read_metrics
 
 
@@ -40,7 +40,7 @@ def test_a_join_ends_where_a_resume_at_the_new_size_ends(join_runs, case):
     )
     [join] = [r for r in records(joined_metrics, "event") if r["event"] == "rank_joined"]
     assert join["ranks"] == [2] and join["world_size"] == 3
-    # Local SGD admits at an averaging, and the new process takes the model in it (engine/joins.InAveraging);
+    # Local SGD admits at an averaging, and the new process takes the model in it (InAveraging);
     # DiLoCo's whole outer step too: the new process takes the outer step with the outer state sent ahead of it.
     whole = case[1] == "diloco" and not case[2]  # (one fragment, no delay, no mixing, no quantization)
     assert join["in_averaging"] == (case[0] is None and (case[1] in ("localsgd", "adaptive_localsgd") or whole))
@@ -142,7 +142,7 @@ def test_a_process_that_joins_a_run_that_has_ended_says_so_within_the_deadline(t
     fails within ``hang_timeout_s`` naming the address, instead of waiting out the store's timeout."""
     from test_faults import free_port
 
-    from engine.joins import joining_membership
+    from engine.elastic.joiner import joiner_membership as joining_membership
 
     JoinFile("localhost", free_port(), "relaxsync/restart0/membership0", 2, "gloo").write(str(tmp_path))
     started = time.monotonic()
@@ -157,7 +157,7 @@ def test_a_process_that_joins_a_run_on_nccl_sets_the_nccl_environment_the_member
     from test_faults import free_port
 
     from distributed.world import NCCL_DUMP_ON_TIMEOUT, NCCL_DUMP_WAIT_MS, NCCL_ERROR_HANDLING
-    from engine.joins import joining_membership
+    from engine.elastic.joiner import joiner_membership as joining_membership
 
     monkeypatch.setenv(NCCL_ERROR_HANDLING, "1")  # (torchrun's, as a worker it starts has)
     monkeypatch.delenv(NCCL_DUMP_ON_TIMEOUT, raising=False)
@@ -175,7 +175,7 @@ def test_a_process_that_joins_a_run_on_nccl_sets_the_nccl_environment_the_member
 def test_a_promise_goes_to_the_algorithms_next_agreement_when_it_is_near():
     """A member promises MARGIN steps on, or the sync algorithm's next agreement when that is at most ALIGN steps
     further; the largest promise is then such a step as well (the period is the same on every rank)."""
-    from engine.joins import ALIGN, MARGIN, Admissions
+    from engine.elastic.admissions import ALIGN, MARGIN, Admissions
 
     anywhere = Admissions(None, 1.0)
     assert anywhere.promise(10) == 10 + MARGIN
@@ -211,25 +211,26 @@ def test_the_members_take_a_joining_process_into_their_averaging_only_with_the_s
     admitted says it has it; the members offer the averaging only where both hold for the generation they are in
     (a state sent before a loss may not be the one of the admission step), within the wait."""
     from distributed.membership import Membership
-    from engine.joins import Admissions
+    from engine.elastic.admissions import Admissions
+    from engine.elastic.records import Decision
 
     m = Membership(0, 2, timeout=datetime.timedelta(seconds=5), backend="gloo", prefix="prepared")
     m._store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5))
-    admissions, decision = Admissions(m, 5.0), {"at": 8, "tickets": 2}  # (tickets 1 and 2)
+    admissions, decision = Admissions(m, 5.0), Decision(at=8, tickets=2)  # (tickets 1 and 2)
     assert not admissions.prepared(decision, 0, 0.1)  # nothing sent
-    m.store.set(admissions.key("1/ahead"), "1")
+    m.store.set(admissions.keys.advance_sent(1), "1")
     assert not admissions.prepared(decision, 0, 0.1)  # sent in another generation
-    m.store.set(admissions.key("1/ahead"), "0")
-    m.store.set(admissions.key("ticket/1/prepared/0"), "1")
+    m.store.set(admissions.keys.advance_sent(1), "0")
+    m.store.set(admissions.keys.prepared(1, 0), "1")
     assert not admissions.prepared(decision, 0, 0.1)  # ticket 2 does not have it yet
-    m.store.set(admissions.key("ticket/2/prepared/0"), "1")
+    m.store.set(admissions.keys.prepared(2, 0), "1")
     assert admissions.prepared(decision, 0, 0.1)
 
 
 def test_the_state_comes_in_the_order_a_joining_process_needs_it():
     """The model and everything read before the first forward come first; the optimizer's state (and a shared
     state read only at a step, DiLoCo's) second, loaded at the first optimizer step."""
-    from engine.handover import split
+    from engine.elastic.handover import split
 
     state = {"model": 1, "optimizer": 2, "amp": 3, "schedule": 4, "sync": 5, "step": 6, "loop": 7}
     first, rest = split(state, late_shared_state=False)
@@ -244,7 +245,7 @@ def _sender_lost_midway(rank: int, port: int, out: str) -> None:
     it got and how it left."""
     from distributed.membership import LeftRun, Membership
     from distributed.transfer import Parcel, Pipe
-    from engine.handover import Receiving, pipe_store
+    from engine.elastic.handover import Receiving, pipe_store
 
     timeout = datetime.timedelta(seconds=30)
     membership = Membership(rank, 2, timeout=timeout, backend="gloo", prefix="test")
@@ -279,7 +280,8 @@ def _admission_formed_ahead(role: int, port: int, out: str) -> None:
     """Two members (roles 0, 1) step once a second and admit the process that asks (role 2); each writes whether
     the admission took the group formed ahead, and a sum over it."""
     from distributed.membership import Membership
-    from engine.joins import Admissions, Request
+    from engine.elastic.admissions import Admissions
+    from engine.elastic.joiner import Request
 
     timeout = datetime.timedelta(seconds=30)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
@@ -298,7 +300,7 @@ def _admission_formed_ahead(role: int, port: int, out: str) -> None:
                 continue
             joiners = admissions.joiners(decision)
             record = admissions.announce(decision, joiners)
-            m.admit(list(joiners), joiners, ahead=record["ahead"] and record["generation"] == m.generation)
+            m.admit(list(joiners), joiners, ahead=record.ahead and record.generation == m.generation)
         admissions.stop()
     else:
         m = Membership(-1, 0, hosts=[], timeout=timeout, backend="gloo", prefix="ahead-join")
@@ -306,12 +308,12 @@ def _admission_formed_ahead(role: int, port: int, out: str) -> None:
         request = Request(m)
         m.rank = request.ask()
         record = request.admission()
-        m.enter(record)
-        m.admit([m.rank], {m.rank: record["added"][str(m.rank)]}, ahead=record["ahead"])
+        m.enter(record.view)
+        m.admit([m.rank], {m.rank: record.added[m.rank]}, ahead=record.ahead)
     t = torch.ones(2)
     dist.all_reduce(t, group=m.group)
     with open(f"{out}.{role}", "w") as f:
-        json.dump({"ahead": record["ahead"], "ranks": m.ranks, "sum": t.tolist(), "rank": m.rank}, f)
+        json.dump({"ahead": record.ahead, "ranks": m.ranks, "sum": t.tolist(), "rank": m.rank}, f)
     m.cancel_ahead()
 
 
@@ -334,10 +336,11 @@ def _join_in_averaging(role: int, port: int, out: str, joiner_dies: bool) -> Non
     """Two members (roles 0, 1) step once a second and, at the step that ends where they admit the process that
     asks (role 2), sum their models in an averaging it takes part in (``InAveraging``); each writes what it got.
     With ``joiner_dies`` the process asked to take part exits instead."""
-    from algorithms.none import NoSync
+    from algorithms.localsgd import LocalSGD
     from distributed.comm import Communicator
     from distributed.membership import Membership
-    from engine.joins import Admissions, InAveraging, Request, take_average
+    from engine.elastic.admissions import Admissions, InAveraging
+    from engine.elastic.joiner import Request, take_average
 
     timeout = datetime.timedelta(seconds=30)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
@@ -354,7 +357,7 @@ def _join_in_averaging(role: int, port: int, out: str, joiner_dies: bool) -> Non
             decision = admissions.due(step)
             if decision is not None:
                 break
-            if admissions.decision is not None and admissions.decision["at"] == step + 1:  # the step ending there
+            if admissions.decision is not None and admissions.decision.at == step + 1:  # the step ending there
                 named = list(model.named_parameters()) + list(model.named_buffers())[:2]
                 summed = torch.cat([t.detach().reshape(-1) for _, t in named])
                 held = InAveraging(admissions, admissions.decision, comm).sum(summed, [n for n, _ in named])
@@ -364,7 +367,7 @@ def _join_in_averaging(role: int, port: int, out: str, joiner_dies: bool) -> Non
             step += 1
         record = admissions.announce(decision, admissions.joiners(decision))
         admissions.stop()
-        got = {"held": held, "summed": summed, "inline": record["inline"], "ahead": record["ahead"]}
+        got = {"held": held, "summed": summed, "inline": record.inline, "ahead": record.ahead}
     else:
         m = Membership(-1, 0, hosts=[], timeout=timeout, backend="gloo", prefix="in-averaging")
         m.initial_size, m.group, m._store = 2, None, store
@@ -372,14 +375,14 @@ def _join_in_averaging(role: int, port: int, out: str, joiner_dies: bool) -> Non
         def average(asked, ranks, generation):
             if joiner_dies:
                 os._exit(0)
-            share = partial(NoSync().take_share, model, asked=asked, state=None)  # (an average, by name)
+            share = partial(LocalSGD().take_share, model, asked=asked.wire(), state=None)  # (an average, by name)
             got["took"] = take_average(m, asked, ranks, generation, share)
 
         got = {}
         request = Request(m, averaging=average)
         m.rank = request.ask()
         record = request.admission()
-        got.update(state=model.state_dict(), inline=record["inline"])
+        got.update(state=model.state_dict(), inline=record.inline)
     torch.save(got, f"{out}.{role}")
     m.cancel_ahead()
 

@@ -82,8 +82,8 @@ def test_a_heal_sends_the_fronts_state_from_the_cpu():
     snapshot a rank left behind receives holds CPU copies (fake CUDA tensors stand in for a GPU)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from engine.failures import Phase, Position
-    from engine.guard import SurvivingGuard, _tensors
+    from engine.elastic.guard import SurvivingGuard, _tensors
+    from engine.elastic.positions import Phase, Position
 
     guard = SurvivingGuard.__new__(SurvivingGuard)
     guard.history, guard._at = [], SimpleNamespace(position=Position(5, Phase.STEP))

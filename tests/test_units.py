@@ -13,8 +13,9 @@ from conftest import plain_cfg
 from data.common import ShardSampler, TrainSampler, resumed_step_in_epoch, steps_per_epoch
 from engine import checkpoint as ckpt
 from engine.amp import TorchAmp, probe_apex
-from engine.metrics import MetricsWriter, read_metrics, wandb_keys
+from engine.metrics import MetricsWriter, read_metrics
 from engine.optim import LRSchedule, build_optimizer, effective_lr
+from engine.wandb_logger import wandb_keys
 
 
 def _sched(name: str, **kw) -> LRSchedule:

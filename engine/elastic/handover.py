@@ -1,6 +1,6 @@
-"""The trainer's state on its way to a process admitted into a running world (``engine/joins.py``): in the order it
-needs it (:func:`split`), from the lowest member's thread (:class:`Sending`) over a connection of the two processes'
-own (:func:`pipe_store`, ``distributed.transfer.Pipe``), while everyone trains (:class:`Receiving`)."""
+"""The trainer's state on its way to a joiner (step 5 of the protocol, ``engine/elastic/__init__.py``): in the order
+it needs it (:func:`split`), from the sender's thread (:class:`Sending`) over a connection of the two processes' own
+(:func:`pipe_store`, ``distributed.transfer.Pipe``), while everyone trains (:class:`Receiving`)."""
 
 from __future__ import annotations
 
@@ -13,41 +13,41 @@ import torch.distributed as dist
 
 from distributed.membership import LeftRun, Membership
 from distributed.transfer import Parcel, Pipe
+from engine.elastic.records import Keys
 
 
 def split(state: dict[str, Any], late_shared_state: bool) -> list[dict[str, Any]]:
-    """A state for a process that joins, in the order it needs it: what it needs before its first forward (the
+    """A state for a joiner, in the order it needs it: what it needs before its first forward (the
     model, the position, AMP's state, the sync algorithm's shared state unless that is read only at a step), then
     what it needs only at its first optimizer step (the optimizer's state, and a late shared state)."""
     late = {"optimizer", "sync"} if late_shared_state else {"optimizer"}
     return [{k: v for k, v in state.items() if k not in late}, {k: v for k, v in state.items() if k in late}]
 
 
-def pipe_store(membership: Membership, source: int, joiner: int, ahead: int | None = None) -> dist.Store:
-    """Where the lowest member and a process it admits meet for the state (a connection to the store of its own:
-    the sender's thread never waits behind the main thread's store calls); ``ahead``: for the state sent before
-    the admission (:func:`receive_ahead`), in the members' generation then."""
-    at = membership.generation if ahead is None else f"ahead-{ahead}"
-    key = membership.key(f"join/pipe/{at}/{source}-{joiner}/")
-    return dist.PrefixStore(key, membership.store.clone())
+def pipe_store(membership: Membership, source: int, joiner: int, advance: int | None = None) -> dist.Store:
+    """Where the sender and a joiner meet for the state (a connection to the store of its own: the sender's thread
+    never waits behind the main thread's store calls); ``advance``: for the advance state, sent before the admission
+    (:func:`receive_advance`), in the members' generation then."""
+    at = membership.generation if advance is None else f"advance-{advance}"
+    return dist.PrefixStore(Keys(membership).pipe(at, source, joiner), membership.store.clone())
 
 
-def receive_ahead(membership: Membership, source: int, generation: int) -> Any:
-    """On a joining process before its admission: the state the lowest member sends ahead of it
-    (``SyncAlgorithm.guest_state``, a :class:`Sending` with ``ahead``), members in ``generation``."""
+def receive_advance(membership: Membership, source: int, generation: int) -> Any:
+    """On a joiner before its admission: the advance state the sender sends it (``SyncAlgorithm.guest_state``, a
+    :class:`Sending` with ``advance``), members in ``generation``."""
     timeout = membership.timeout or datetime.timedelta(seconds=300)
     pipe = Pipe(pipe_store(membership, source, membership.rank, generation), membership.rank, source, timeout)
     return Parcel.receive(pipe)
 
 
 class Sending:
-    """The lowest member's side of a state's way to a process it admitted: the parcels (packed at the admission)
+    """The sender's side of a state's way to a joiner: the parcels (packed at the admission)
     sent in order from a thread, over a :class:`Pipe` of the two, while this member trains. A failure is not this
-    member's to handle: the process it sent to is gone (the members find it lost as any other)."""
+    member's to handle: the joiner it sent to is gone (the members find it lost as any other)."""
 
-    def __init__(self, membership: Membership, joiner: int, parcels: list[Parcel], ahead: bool = False):
+    def __init__(self, membership: Membership, joiner: int, parcels: list[Parcel], advance: bool = False):
         self.joiner, self.parcels, self.error = joiner, parcels, None
-        self._store = pipe_store(membership, membership.rank, joiner, membership.generation if ahead else None)
+        self._store = pipe_store(membership, membership.rank, joiner, membership.generation if advance else None)
         self._args = (membership.rank, membership.timeout or datetime.timedelta(seconds=300))
         self._thread = threading.Thread(target=self._send, name="relaxsync-join-send", daemon=True)
 
@@ -72,7 +72,7 @@ class Sending:
 
 
 class Receiving:
-    """A joining process's side: the first part of the state, waited for; the rest, received by a thread while
+    """A joiner's side: the first part of the state, waited for; the rest, received by a thread while
     this process computes its first step (:meth:`start`, :meth:`rest`). The sender lost before the whole state
     arrived makes this process leave the run (``LeftRun``): nobody else has this point's state to give."""
 

@@ -1,6 +1,6 @@
 """Shrink in place (``trainer.on_failure: continue``): when a peer dies or hangs, the survivors agree who is gone,
 form a new group and redo the part of the loop they were in, under whatever sync algorithm runs. This module is
-the agreement; ``engine/guard.py`` is the component that wraps the loop's parts in it.
+the agreement; ``engine/elastic/guard.py`` is the component that wraps the loop's parts in it.
 
 Every collective of such a run has a deadline, ``trainer.hang_timeout_s`` (the timeout of the training process
 group), and every rank beats a counter in the c10d store from a background thread (:class:`Heartbeat`). When a
@@ -41,9 +41,8 @@ import datetime
 import json
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from functools import cached_property
 from typing import Any
 
@@ -51,6 +50,7 @@ import torch.distributed as dist
 
 from distributed.membership import Change, Membership, StoreLoop
 from distributed.transfer import recv_state, send_state
+from engine.elastic.positions import Position, left_behind
 
 BEAT_S = 0.2  # heartbeat period
 SILENT_S = 2.0  # a rank that has not beaten for this long (10 beats) is gone
@@ -60,52 +60,6 @@ TIMED_OUT = re.compile(r"timed out", re.IGNORECASE)
 # What a survivor reads when the peer's process is gone (gloo; NCCL's ncclRemoteError): the loss is "died";
 # any other failure of a collective is counted "hung" unless another survivor saw one of these.
 DIED = re.compile(r"connection (closed|reset) by peer|broken pipe|remote process exiting prematurely", re.IGNORECASE)
-
-
-class Phase(Enum):
-    """The parts of the loop a collective can fail in, in the order the loop goes through them at one value of the
-    step counter: the evaluation, checkpoint, admission of joining processes and start of an epoch that follow step
-    s - 1, then step s up to the optimizer step and its exchange after it; at the end of the run the replicas'
-    spread and the exit barrier."""
-
-    EVALUATION = "evaluation"
-    CHECKPOINT = "checkpoint"
-    JOIN = "join"
-    EPOCH_START = "epoch start"
-    STEP = "step"
-    EXCHANGE = "exchange"
-    END = "end"
-    EXIT = "exit"
-
-
-_ORDER = {phase: i for i, phase in enumerate(Phase)}
-
-
-@dataclass(frozen=True)
-class Position:
-    """Where a rank is in the run: the step counter and the part of the loop at it."""
-
-    step: int
-    phase: Phase
-
-    @classmethod
-    def read(cls, wire: Sequence) -> Position:
-        """From its form in the store, ``[step, phase]``."""
-        return cls(int(wire[0]), Phase(wire[1]))
-
-    def wire(self) -> list:
-        return [self.step, self.phase.value]
-
-    @property
-    def key(self) -> tuple[int, int]:
-        """Sorts positions in the order the loop reaches them."""
-        return self.step, _ORDER[self.phase]
-
-
-def left_behind(where: dict[int, Sequence]) -> tuple[Sequence, list[int]]:
-    """The furthest ``[step, phase]`` of the survivors (the front), and the ranks that were not there."""
-    front = max(where.values(), key=lambda w: Position.read(w).key)
-    return front, sorted(r for r, w in where.items() if list(w) != list(front))
 
 
 @dataclass(frozen=True)

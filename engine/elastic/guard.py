@@ -1,19 +1,16 @@
-"""The failure guard: the one component through which the trainer runs each part of its loop that holds a
-collective, chosen once from ``trainer.on_failure``.
+"""The surviving guard (``trainer.on_failure=continue``): the part of the elastic component through which the
+trainer runs each part of its loop that holds a collective (``Surviving.run``).
 
-- ``abort`` (:class:`NoGuard`): a failed collective ends the run (torchrun stops the other workers, and
-  ``trainer.max_restarts`` or a new command resumes from the last checkpoint). The guard runs each part as it is
-  and keeps nothing: no position, no history, no thread.
-- ``continue`` (:class:`SurvivingGuard`): a part that fails because a peer is gone is redone on the survivors'
-  group once they agree who is gone (``engine/failures.py``); whatever the error's text says, the store decides
-  whether anyone is. The guard knows where the loop is (a :class:`Position` and a :class:`Site`), keeps the
-  latest records (the logging rank may be healed and must write those it missed), writes the ``rank_lost`` event
-  once what was in flight is done again, and heals a survivor left a collective behind through the trainer's
-  ``state_dict()`` / ``load_state_dict()``: that rank raises :class:`CatchUp` up to the loop, which enters again
-  where the front is.
+A part that fails because a peer is gone is redone on the survivors' group once they agree who is gone
+(``engine/elastic/failures.py``); whatever the error's text says, the store decides whether anyone is. The guard
+knows where the loop is (a :class:`Position` and a :class:`Site`), keeps the latest records (the logging rank may
+be healed and must write those it missed), writes the ``rank_lost`` event once what was in flight is done again,
+and heals a survivor left a collective behind through the trainer's ``state_dict()`` / ``load_state_dict()``: that
+rank raises :class:`CatchUp` up to the loop, which enters again where the front is.
 
-The sync algorithm learns of the change the way it learns of any: the trainer's ``apply`` calls its
-``on_membership_change(change)`` and carries out the report it returns.
+The sync algorithm learns of the change the way it learns of any: the trainer's ``apply`` takes it from the
+trainer's one reader of the changes, calls the algorithm's ``on_membership_change(change)`` and carries out the
+report it returns.
 """
 
 from __future__ import annotations
@@ -22,8 +19,6 @@ import datetime
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Protocol
 
 import torch
@@ -32,28 +27,10 @@ import torch.distributed as dist
 from algorithms.base import SyncReport
 from distributed.comm import tensor_bytes
 from distributed.membership import Membership, host_names
-from engine.failures import Failures, Phase, Position, may_be_a_loss
+from engine.elastic.failures import Failures, may_be_a_loss
+from engine.elastic.positions import Entry, Phase, Position, Site
 
 HISTORY = 4096  # records kept for a peer that falls behind by a collective and must write them
-
-
-class Site(Enum):
-    """Where in the loop a part runs, for the parts that run at more than one place."""
-
-    NONE = ""
-    BETWEEN_STEPS = "between steps"  # an evaluation on the side or a step checkpoint
-    EPOCH_END = "epoch end"  # the epoch's evaluation and checkpoint
-    END = "end"  # the end of the run: the replicas' spread and the exit barrier
-
-
-@dataclass(frozen=True)
-class Entry:
-    """Where a rank healed from the front enters the loop: the front's part, and ``carry``, what the parts before it
-    would have handed on (by :class:`Phase`) and the loop's own values there (under ``"loop"``)."""
-
-    position: Position
-    site: Site
-    carry: dict[Any, Any] = field(default_factory=dict)
 
 
 class CatchUp(Exception):  # noqa: N818 - a control-flow signal, like StopIteration
@@ -77,28 +54,6 @@ class Host(Protocol):
     def apply(self, report: SyncReport, epoch: int) -> None: ...
 
 
-class NoGuard:
-    """``trainer.on_failure=abort``: every part runs as it is."""
-
-    lost_ranks: tuple[int, ...] = ()
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def run(self, phase: Phase, part: Callable[[], Any], epoch: int, site: Site = Site.NONE, carry=None) -> Any:
-        return part()
-
-    def entry(self, site: Site) -> dict[str, Any] | None:
-        """Never: no rank catches up."""
-        return None
-
-    def repeat(self, part: Callable[[], Any]) -> Any:
-        return part()
-
-
 class SurvivingGuard:
     """``trainer.on_failure=continue``: a lost peer is survived in any part of the loop."""
 
@@ -110,7 +65,7 @@ class SurvivingGuard:
         self._entering: Entry | None = None  # on a rank healed from the front, until it reaches the front's part
         self._lost: list[dict[str, Any]] = []  # rank_lost events waiting for what was in flight to be done again
         self._replaying = False
-        self._reported = 0  # membership changes named by a rank_lost event so far
+        self._named = 0  # the generation through which a rank_lost event has named the ranks removed
         host.recorder.observers.append(self._observe)
 
     def start(self) -> None:
@@ -160,8 +115,7 @@ class SurvivingGuard:
         the survivors agree, form their group, follow the change or heal) is a failure of the recovery like any
         other: they agree again, over who is left, and each loss is written once. An error after which they agree
         that nobody is gone (``recover`` raises it again) is this rank's own, and is raised."""
-        changes = self.failures.membership.changes
-        self._reported = len(changes)  # the changes a rank_lost event has named
+        self._named = self.failures.membership.generation  # (the changes before this failure were named already)
         while True:
             if not (may_be_a_loss(error) or self._alarm_rang()):
                 raise error
@@ -185,10 +139,11 @@ class SurvivingGuard:
     def _recover(self, error: BaseException, epoch: int) -> None:
         """After ``error``: agree on who is gone, regroup and follow the change; on a survivor one collective
         behind the others, take the front's state and raise :class:`CatchUp`."""
-        detected, host, changes = time.time(), self.host, self.failures.membership.changes
+        detected, host, membership = time.time(), self.host, self.failures.membership
         recovery = self.failures.recover(error, self._at.position)
         # the ranks removed since the last event: an agreement cut short by another loss removed some already
-        removed, self._reported = sorted(r for c in changes[self._reported :] for r in c.removed), len(changes)
+        removed = sorted(r for c in membership.changes if c.generation > self._named for r in c.removed)
+        self._named = membership.generation
         event = {**recovery.event, "ranks": removed}
         own = sum(tensor_bytes(t) for t in _tensors(host.sync.local_state_dict()))
         self._lost.append({**event, "detected_at": detected, "lost_state_bytes": own})  # what the lost rank took
@@ -252,12 +207,8 @@ def training_membership(on_failure: str, hang_timeout_s: float, rank: int, world
         return Membership(rank, world_size, hosts=hosts)
     deadline = datetime.timedelta(seconds=hang_timeout_s)
     membership = Membership(rank, world_size, hosts=hosts, timeout=deadline, backend=dist.get_backend())
-    membership.group = membership.form(list(range(world_size)))  # (one that processes joining later can be in)
+    membership.group = membership.form(list(range(world_size)))  # (one that joiners can be in later)
     return membership
-
-
-def build_guard(on_failure: str, membership: Membership, hang_timeout_s: float, host: Host) -> NoGuard | SurvivingGuard:
-    return SurvivingGuard(membership, hang_timeout_s, host) if on_failure == "continue" else NoGuard()
 
 
 def _on_cpu(state: Any) -> Any:
