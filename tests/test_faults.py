@@ -57,6 +57,7 @@ def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float
     raise AssertionError(f"fewer than {n} steps in {timeout} s")
 
 
+@pytest.mark.full  # ~30 s; make test: test_slurm's SIGTERM stop at one step and resume, test_contract's exact resume
 def test_sigterm_checkpoints_every_rank_at_one_step_and_resume_ends_as_if_uninterrupted(tmp_path):
     train(tmp_path / "whole", *COMMON)
 
@@ -687,6 +688,7 @@ def test_a_survivor_healed_in_dgcs_sparse_exchange_ends_bit_identical_to_the_fro
     assert summary["replica_spread"] == 0.0
 
 
+@pytest.mark.full  # ~25 s; make test: test_in_flight (dropped alike by every algorithm) and chaos's overlap cells
 def test_a_gossip_round_in_flight_on_the_lost_ranks_group_is_dropped_when_the_epoch_end_drains_it(tmp_path):
     """Overlapped SGP: a node dies after the last step of epoch 1, before posting its round of that step
     (tests/_partial.py). The others' round of that step, posted on the group that held it, is waited for when the

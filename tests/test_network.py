@@ -160,6 +160,7 @@ def test_time_to_target_leaves_evaluations_out_of_the_clock_and_counts_bytes_up_
     assert not never["reached"] and never["seconds"] is None and never["mb_per_node"] == pytest.approx(600.0)
 
 
+@pytest.mark.full  # ~35 s; make test: the emulated two-node job above and the time-to-target measure's unit test
 @pytest.mark.skipif(REASON is not None, reason=f"network emulation unavailable: {REASON}")
 def test_time_to_accuracy_miniature_two_algorithms_on_two_nodes(tmp_path):
     from bench import tta

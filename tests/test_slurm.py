@@ -74,6 +74,7 @@ def test_srun_forms_one_world_of_its_tasks_and_trains_as_two_local_workers_do(sl
     assert all(torch.equal(on_slurm[k], local[k]) for k in local), "srun and trainer.nproc=2 differ"
 
 
+@pytest.mark.full  # ~26 s; make test: the lease itself (taken, refused, taken over: the test below)
 def test_a_second_world_started_into_a_run_dir_in_use_stops_before_writing_anything(tmp_path):
     """The same command launched again into a run dir while its first world trains there: the second stops at
     once, naming the world that holds the dir; the first trains on, every step recorded once, and releases the dir
@@ -319,6 +320,7 @@ def test_a_task_killed_under_srun_is_survived_by_the_others_with_on_failure_cont
     assert "task 2: Killed" in output and output.count("Traceback") == 0, output[-3000:]
 
 
+@pytest.mark.full  # ~30 s; make test: test_train's multirun (one world per sweep point) and the srun/sbatch jobs here
 def test_a_multirun_sends_each_sweep_point_to_slurm_as_a_job_of_its_workers(slurm, tmp_path):
     """``train.py -m hydra/launcher=slurm sync=allreduce,localsgd``: two Slurm jobs (hydra-submitit-launcher), each
     of ``trainer.nproc`` tasks that form its world, and the sweep's comparison table of both."""

@@ -143,6 +143,7 @@ def test_resume_matches_an_uninterrupted_run(tmp_path):
     assert records(full, "summary")[0]["top1"] == pytest.approx(records(both, "summary")[-1]["top1"])
 
 
+@pytest.mark.full  # ~35 s; make test: TorchAmp's autocast, scaler and verdict (test_units) and amp in test_apex
 def test_amp_torch_trains_in_bfloat16_on_cpu(tmp_path):
     summary, metrics = train(
         tmp_path, *FAST, "data=digits", "amp=torch", "trainer.nproc=2", "trainer.epochs=2", "data.batch_size=32"

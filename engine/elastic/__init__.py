@@ -8,10 +8,10 @@ with ``trainer.join=true`` (the *joiner*). The trainer runs every part of its lo
 it; it takes every membership change from its one reader of them (``Membership.follow``). A
 loss and a join are both a change of the membership at a step boundary the ranks agree on.
 
-**A loss** (``failures.py``, ``guard.py``). Every collective has a deadline and every rank beats in the store. When
-a collective fails, the survivors check in, agree who is silent, form a new group and redo the part in flight; a
-survivor left one collective behind is healed from the front (the lowest rank there sends it the trainer's state)
-and enters the loop again where the front is (``CatchUp``, ``positions.Entry``).
+**A loss** (``heartbeat.py``, ``failures.py``, ``guard.py``). Every collective has a deadline and every rank beats
+in the store. When a collective fails, the survivors check in, agree who is silent, form a new group and redo the
+part in flight; a survivor left one collective behind is healed from the front (the lowest rank there sends it the
+trainer's state) and enters the loop again where the front is (``CatchUp``, ``positions.Entry``).
 
 **A join** (``admissions.py``: the members; ``joiner.py``: the joiner; ``handover.py``: the state on its way;
 ``records.py``: every store key and record of the two parties). torchrun admits a node by re-rendezvous, which stops

@@ -48,13 +48,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distributed.membership import Change, Membership, StoreLoop
+from distributed.membership import Change, Membership
 from distributed.transfer import recv_state, send_state
+from engine.elastic.heartbeat import BEAT_S, SILENT_S, Heartbeat
 from engine.elastic.positions import Position, left_behind
 
-BEAT_S = 0.2  # heartbeat period
-SILENT_S = 2.0  # a rank that has not beaten for this long (10 beats) is gone
-WATCHED = 16  # peers whose beats one heartbeat tick reads, in turn (all of them every tick up to 17 ranks)
 DECIDERS = 4  # the first survivors to check in, which watch the others closely until they can decide
 TIMED_OUT = re.compile(r"timed out", re.IGNORECASE)
 # What a survivor reads when the peer's process is gone (gloo; NCCL's ncclRemoteError): the loss is "died";
@@ -105,91 +103,6 @@ def may_be_a_loss(error: BaseException) -> bool:
     ``LeftRun`` and :class:`StoreUnreachable` never are."""
     ours = (NotImplementedError, RecursionError, StoreUnreachable)
     return isinstance(error, RuntimeError) and not isinstance(error, ours)
-
-
-class Heartbeat:
-    """A background thread that adds 1 to this rank's beat counter in the store every :data:`BEAT_S` seconds and,
-    in the same tick, reads the counters of :data:`WATCHED` other ranks, the next ones in turn (one ``multi_get``):
-    when a collective fails, how long each peer has already been silent is known by this rank's clock, so a peer
-    that hung long before is recognised at once instead of after watching it for another :data:`SILENT_S`. The tick
-    also checks whether another rank checked in to a failure of the current generation (:meth:`_listen`).
-
-    Each peer is read every ``ceil((N - 1) / WATCHED)`` ticks: every tick up to 17 ranks, every 12.8 s at 1024. A
-    peer silent for that long plus :data:`SILENT_S` before a collective fails is recognised at once; a hang's
-    collective fails after ``trainer.hang_timeout_s`` (60 s), which leaves room for it up to several thousand ranks.
-    Reading every peer every tick would have the store serve N² keys per tick, 5 million a second at 1024 ranks."""
-
-    def __init__(self, membership: Membership, alarm_key: Callable[[int], str] | None = None):
-        self.membership = membership
-        self.alarm_key = alarm_key  # generation -> the key a rank writes when it sees a collective of it fail
-        self._loop: StoreLoop | None = None
-        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it last changed: time.monotonic)
-        self._next = 0  # where among the active ranks the next tick's reads begin
-
-    def key(self, rank: int) -> str:
-        return self.membership.key(f"beat/{rank}")
-
-    def seen(self) -> dict[int, tuple[int, float]]:
-        """Each peer's last beat count read by the thread, and when it was first read at that count."""
-        return dict(self._seen)
-
-    def start(self) -> None:
-        own = self.key(self.membership.rank)
-
-        def beat(store: Any) -> bool:
-            store.add(own, 1)
-            try:
-                self._watch(store)
-                self._listen(store)
-            except Exception:  # a failed read must not stop the beats that tell the others this rank is alive
-                pass
-            return False  # beat until stopped
-
-        self._loop = self.membership.every(BEAT_S, beat, "relaxsync-heartbeat").start()
-
-    def _watch(self, store: Any) -> None:
-        """Read the next peers' beats. Peers silent for :data:`SILENT_S` are most likely gone: the group the others
-        would form without them is formed now, in the background, for the recovery to take when a collective fails
-        (up to ``WATCHED + 1`` ranks, where every tick reads every peer)."""
-        m = self.membership
-        generation, ranks = m.generation, m.ranks  # (a change replaces the list, never edits it)
-        peers, i = [], self._next
-        while len(peers) < min(WATCHED, len(ranks) - 1):
-            if ranks[i % len(ranks)] != m.rank:
-                peers.append(ranks[i % len(ranks)])
-            i += 1
-        self._next = i % max(len(ranks), 1)
-        keys = [self.key(r) for r in peers]
-        if any(r not in self._seen for r in peers) and not store.check(keys):
-            peers = [r for r, k in zip(peers, keys) if store.check([k])]  # (a peer's first beat may not be there yet)
-            keys = [self.key(r) for r in peers]
-        if not keys:
-            return
-        now = time.monotonic()
-        for r, value in zip(peers, store.multi_get(keys)):
-            beats = int(value)
-            if self._seen.get(r, (None, 0.0))[0] != beats:
-                self._seen[r] = (beats, now)
-        silent = [r for r in peers if now - self._seen[r][1] >= SILENT_S]
-        survivors = [r for r in ranks if r not in silent]
-        unchanged = generation == m.generation and ranks is m.ranks  # (read while no change was under way)
-        if silent and len(survivors) > 1 and len(ranks) <= WATCHED + 1 and unchanged:
-            m.prepare(survivors, generation)  # (every peer read every tick: the survivors see the same ones silent)
-
-    def _listen(self, store: Any) -> None:
-        """Ring the membership's alarm once another rank has checked in to a failure of the current generation:
-        this rank may be waiting on a collective that nothing will fail here (distributed/alarm.py)."""
-        m = self.membership
-        generation = m.generation
-        if self.alarm_key is None or m.alarm.rung(generation) is not None:
-            return
-        if store.check([self.alarm_key(generation)]):
-            m.ring(generation, f"relaxsync: another rank saw a collective fail (failure {generation}): a peer is lost")
-
-    def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.stop()
-            self._loop = None
 
 
 class Failures:
