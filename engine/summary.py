@@ -8,9 +8,6 @@ import os
 import statistics
 from typing import Any
 
-from engine.launchers import launcher_name
-from models.factory import compile_mode, uses_channels_last
-
 
 class StepStats:
     """What the train records of this invocation add up to."""
@@ -131,6 +128,10 @@ def _bytes(n: float) -> str:
 def banner(model: dict[str, Any], device: Any, world_size: int, num_params: int, sync: str, steps_per_epoch: int,
            batch_size: int, run_dir: str) -> str:  # fmt: skip
     """The console line that starts a run."""
+    # (imported here: reading records, this module's other use, needs no timm)
+    from engine.launchers import launcher_name
+    from models.factory import compile_mode, uses_channels_last
+
     features = [f"{num_params / 1e6:.2f} M params"] + ["channels_last"] * uses_channels_last(model, device)
     features += [f"compiled ({model['compile_backend']})"] if compile_mode(model) else []
     return (

@@ -246,6 +246,7 @@ def test_a_killed_node_leaves_and_the_others_finish_the_run(tmp_path, sync):
     assert "loader_rebuilt" in events and "lr_adjusted" in events
 
 
+@pytest.mark.full  # ~30 s; make test: test_alarm (a wait nothing fails ends) and the losses above; test-gpu runs it
 def test_a_node_lost_in_a_ring_of_four_is_seen_at_once_by_the_survivor_not_beside_it(tmp_path):
     """Four nodes, ``kill -9`` of the third: in gloo's ring the first node exchanges with the second and the fourth
     only, so nothing it waits for fails; its two neighbours, which saw the loss, check in, and that wakes its wait.

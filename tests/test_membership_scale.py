@@ -33,11 +33,11 @@ def test_every_survivor_among_many_ranks_adopts_one_decision_that_names_exactly_
 
 
 def test_what_a_rank_asks_of_the_store_per_heartbeat_tick_does_not_grow_with_the_number_of_ranks():
-    """Store calls and keys per rank and heartbeat tick, counted client side, at 32 and at 64 ranks: the same (every
-    peer's counter every tick would be twice the keys at 64, and more than WATCHED + 3 at either)."""
+    """Store calls and keys per rank and heartbeat tick, counted client side, at 24 and at 48 ranks: the same (every
+    peer's counter every tick would be twice the keys at 48, and more than WATCHED + 3 at either)."""
     from engine.elastic.heartbeat import WATCHED
 
-    small, large = (simulate(n, [], window_s=1.5)["steady"] for n in (32, 64))
+    small, large = (simulate(n, [], window_s=1.5)["steady"] for n in (24, 48))
     for steady in (small, large):
         # its own counter, WATCHED peers' and whether a failure was checked in to (+ first checks)
         assert steady["keys_per_tick"] <= WATCHED + 3, steady

@@ -275,6 +275,7 @@ def test_adopt_environment_takes_the_launchers_values_and_keeps_the_agents(monke
     assert os.environ == {"KEPT": "k", "CHANGED": "new", "ADDED": "a", "RANK": "1", "MASTER_PORT": "29500"}
 
 
+@pytest.mark.full  # ~12 s; make test: train.py under torchrun agents (the rendezvous below, test_faults, test_joins)
 def test_runs_as_a_worker_under_torchrun(tmp_path):
     cmd = _torchrun("--standalone", "--nproc-per-node", "2", "train.py", *FAST, "trainer.max_steps=3")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
