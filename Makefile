@@ -29,10 +29,10 @@ peers: $(PEERS_STAMP) ## install the peers extra (torchft) into .venv: what benc
 train: $(STAMP) ## train ResNet-50 on digits with 2 processes (W&B offline); extra overrides: ARGS="..."
 	$(PY) train.py $(ARGS)
 
-test: $(STAMP) ## run the test suite (CPU, gloo; what CI runs, ~12 min on 2 cores)
+test: $(STAMP) ## run the test suite (CPU, gloo; what CI runs, ~14.5 min on 2 cores)
 	$(PY) -m pytest -q -m "not full" $(ARGS)
 
-test-full: $(STAMP) ## the test suite plus the slow tests marked full (~16 min on 2 cores)
+test-full: $(STAMP) ## the test suite plus the slow tests marked full (about 10 min more on 2 cores)
 	$(PY) -m pytest -q $(ARGS)
 
 test-gpu: $(STAMP) ## on a GPU machine: the CUDA tests, and the fault tests on NCCL (one GPU per node; skips what needs more)

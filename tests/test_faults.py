@@ -776,6 +776,7 @@ box = torch.ones(3)
 dist.broadcast(box, src=5, group=group)
 retire([group])
 assert group not in c10d._world.pg_map
+dist.destroy_process_group()  # (the default group too: its threads are not left to the interpreter's exit)
 print("ok")
 """
     result = subprocess.run(
