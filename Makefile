@@ -32,7 +32,7 @@ train: $(STAMP) ## train ResNet-50 on digits with 2 processes (W&B offline); ext
 test: $(STAMP) ## run the test suite (CPU, gloo; what CI runs, ~14.5 min on 2 cores)
 	$(PY) -m pytest -q -m "not full" $(ARGS)
 
-test-full: $(STAMP) ## the test suite plus the slow tests marked full (about 10 min more on 2 cores)
+test-full: $(STAMP) ## the test suite plus the slow tests marked full (each names its cover in make test)
 	$(PY) -m pytest -q $(ARGS)
 
 test-gpu: $(STAMP) ## on a GPU machine: the CUDA tests, and the fault tests on NCCL (one GPU per node; skips what needs more)
