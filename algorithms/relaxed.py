@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from algorithms.base import RebuildTrainLoader, Request, ScaleLR, StepResult, SyncAlgorithm, SyncReport, Wrapper
 from distributed.comm import Communicator
@@ -103,7 +104,8 @@ class Eviction:
         """Collective over the active ranks, each with its own measured time: share the times, decide, and have
         the membership remove the slow ranks (on those, this raises ``LeftRun``). Returns the verdict."""
         m = comm.membership
-        times = comm.all_gather(torch.tensor([own_time], dtype=torch.float64, device=comm.device))
+        own = torch.tensor([own_time], dtype=torch.float64, device=comm.device)
+        times = comm.all_gather(comm.within_node(own, dist.ReduceOp.MAX))  # (node scope: a node is its slowest)
         verdict = decide(
             m.ranks,
             [float(t.item()) for t in times],

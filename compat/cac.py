@@ -66,7 +66,7 @@ class RelaxedSyncDistributedDataParallel(nn.Module):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("RelaxedSyncDistributedDataParallel: call torch.distributed.init_process_group first")
-        self.membership = Membership(dist.get_rank(), dist.get_world_size(), hosts=host_names())
+        self.membership = Membership(dist.get_rank(), dist.get_world_size(), hosts=host_names()[0])
         device = next(module.parameters()).device
         self.comm = Communicator(self.membership, build_clock(device))
         self.eviction = Eviction(relaxed_sync_threshold, reference, 1, protected=() if master_skip else (0,))

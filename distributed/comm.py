@@ -289,6 +289,11 @@ class Communicator:
     ) -> None:
         self.exchange_async(sends, recvs, mean_fraction).wait()
 
+    def within_node(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        """Reduce ``tensor`` over the processes of this rank's node where an algorithm runs at node scope
+        (``distributed/nodes.py``); at process scope each process is its own node: ``tensor`` as it is."""
+        return tensor
+
     def barrier(self) -> None:
         self.membership.wait([dist.barrier(group=self.group, async_op=True)])
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from distributed.alarm import Alarm
 from distributed.connections import cut, keep, noted, store_port
+from distributed.world import node_name
 
 _instances = itertools.count()  # Memberships made in this process: every rank makes them in the same order
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for a group or a store without one
@@ -175,11 +176,16 @@ def run_store(timeout: datetime.timedelta | None = None) -> dist.Store:
     return dist.TCPStore(address, int(port), is_master=False, timeout=timeout or DEFAULT_TIMEOUT)
 
 
-def host_names() -> list[str]:
-    """Collective over the world group: every rank's host name, in rank order."""
-    hosts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, os.environ.get("SLURMD_NODENAME") or socket.gethostname())  # (Slurm's name)
-    return hosts
+def host_name() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # (Slurm's name)
+
+
+def host_names() -> tuple[list[str], list[str]]:
+    """Collective over the world group: every rank's host name and node name (:func:`distributed.world.node_name`),
+    in rank order."""
+    where: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(where, (host_name(), node_name()))
+    return [host for host, _ in where], [node for _, node in where]
 
 
 class Membership:
@@ -194,6 +200,7 @@ class Membership:
         timeout: datetime.timedelta | None = None,
         backend: str | None = None,
         prefix: str | None = None,
+        nodes: list[str] | None = None,
     ):
         self.rank = rank
         self.timeout = timeout  # of every group formed after a change (None: the default group's)
@@ -201,6 +208,11 @@ class Membership:
         self.ranks: list[int] = list(range(world_size))
         self.group = group if group is not None else dist.group.WORLD
         self.hosts = hosts if hosts is not None else [""] * world_size  # rank -> host name, for the record
+        # rank -> node name (distributed.world.node_name; default: a node of its own per rank)
+        self.nodes = nodes if nodes is not None else [f"rank{r}" for r in range(world_size)]
+        # True at node scope: a rank removed takes every active rank of its node with it (node_ranks), so that the
+        # nodes stay whole and alike (each one's processes carry an equal share of the exchange across nodes)
+        self.whole_nodes = False
         self.generation = 0  # how many changes so far
         self.changes: list[Change] = []  # every change of this run seen by this rank, oldest first
         # "gloo" or "nccl": groups are built on the run's store (build_group), and processes that join later can be
@@ -236,6 +248,23 @@ class Membership:
     @property
     def is_logging_rank(self) -> bool:
         return self.rank == self.logging_rank
+
+    # ---- nodes ---------------------------------------------------------------------------------------------------
+    def node_ranks(self, rank: int | None = None) -> list[int]:
+        """The active ranks on the node of ``rank`` (default: this one), in order."""
+        node = self.nodes[self.rank if rank is None else rank]
+        return [r for r in self.ranks if self.nodes[r] == node]
+
+    def node_ids(self) -> list[int]:
+        """The active nodes, each named by its lowest active rank (a name that lasts while the node is whole), in
+        order."""
+        return sorted({self.node_ranks(r)[0] for r in self.ranks})
+
+    def with_their_nodes(self, ranks: list[int]) -> list[int]:
+        """``ranks`` and, under :attr:`whole_nodes`, every active rank on the same nodes."""
+        if not self.whole_nodes:
+            return sorted(set(ranks))
+        return sorted({s for r in ranks if r in self.ranks for s in self.node_ranks(r)} | set(ranks))
 
     # ---- agreement -------------------------------------------------------------------------------------------
     @property
@@ -277,7 +306,7 @@ class Membership:
         :meth:`subgroup` s, never the default one: on NCCL a collective of an old group may still be waiting on the
         lost rank, and what the survivors queue next, the new group's first collective included, would wait
         behind it."""
-        removed = [r for r in agreed["ranks"] if r in self.ranks]
+        removed = [r for r in self.with_their_nodes(agreed["ranks"]) if r in self.ranks]
         if not removed:
             return None
         survivors = [r for r in self.ranks if r not in removed]
@@ -420,7 +449,9 @@ class Membership:
         store = dist.PrefixStore(self.key(f"group/{self.generation}/{_members(ranks)}/{n}/"), self.store)
         return build_group(store, ranks, self.rank, self.backend, self.timeout or DEFAULT_TIMEOUT, self.wait)
 
-    def admit(self, added: list[int], hosts: dict[int, str], ahead: bool = False) -> Change:
+    def admit(
+        self, added: list[int], hosts: dict[int, str], ahead: bool = False, nodes: dict[int, str] | None = None
+    ) -> Change:
         """Carry out an agreed admission of the ranks ``added`` (processes that asked to join, each with its host):
         a collective over the active ranks and the admitted ones (which :meth:`enter` first). Their group (formed
         ahead, :meth:`prepare`, where the admission says so) replaces the active one; nobody leaves, nothing is
@@ -430,7 +461,9 @@ class Membership:
         self.ranks = sorted(set(self.ranks) | set(added))
         for r in added:
             self.hosts.extend([""] * (r + 1 - len(self.hosts)))
+            self.nodes.extend(f"rank{len(self.nodes) + i}" for i in range(r + 1 - len(self.nodes)))
             self.hosts[r] = hosts.get(r, "")
+            self.nodes[r] = (nodes or {}).get(r, f"rank{r}")
         self.changes.append(Change(self.generation, [], list(self.ranks), "joined", sorted(added)))
         replaced = [g for g in (self.group, *self._subgroups) if g is not None and g is not dist.group.WORLD]
         self.group, self._subgroups = None, []
@@ -443,6 +476,8 @@ class Membership:
         :meth:`view`) as it is just before the admission, which :meth:`admit` then carries out here too."""
         self.ranks, self.generation = list(record["ranks"]), record["generation"]
         self.initial_size, self.hosts = record["initial_size"], list(record["hosts"])
+        self.nodes = list(record.get("nodes") or [f"rank{r}" for r in range(len(self.hosts))])
+        self.whole_nodes = record.get("whole_nodes", False)
         self._agreements = record["agreements"]
 
     def follow(self) -> Changes:
@@ -456,6 +491,8 @@ class Membership:
             "generation": self.generation,
             "initial_size": self.initial_size,
             "hosts": self.hosts,
+            "nodes": self.nodes,
+            "whole_nodes": self.whole_nodes,
             "agreements": self._agreements,
         }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,21 @@ def select_device(name: str, local_rank: int, local_world_size: int = 1) -> torc
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def node_name(env: os._Environ | dict = os.environ) -> str:
+    """The name of the node this process runs on, the same for every process of that node and distinct between
+    nodes, joiners' included: torchrun's node (``GROUP_RANK`` of its run ``TORCHELASTIC_RUN_ID``), else Slurm's
+    (``SLURM_NODEID`` of ``SLURM_JOB_ID``), else the host name. ``RELAXSYNC_NODE`` splits one of those further:
+    the local launcher sets it per worker under ``trainer.local_nodes`` (emulated nodes on one machine)."""
+    if env.get("TORCHELASTIC_RUN_ID") and "GROUP_RANK" in env:
+        name = f"{env['TORCHELASTIC_RUN_ID']}/node{env['GROUP_RANK']}"
+    elif "SLURM_NODEID" in env:
+        name = f"slurm{env.get('SLURM_JOB_ID', '')}/node{env['SLURM_NODEID']}"
+    else:
+        name = env.get("SLURMD_NODENAME") or socket.gethostname()
+    emulated = env.get("RELAXSYNC_NODE")
+    return f"{name}/{emulated}" if emulated else name
 
 
 def configure_device(device: torch.device, cudnn_benchmark: bool) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from hydra.utils import get_object
 
+from algorithms.scope import validate_scope
 from engine.launchers import slurm_task, under_external_launcher
 from errors import ConfigError
 from errors import is_int as _is_int
@@ -173,6 +174,9 @@ def validate(cfg: dict[str, Any]) -> None:
         hang,
         f"seconds > 0 and below trainer.timeout_s ({t['timeout_s']})",
     )
+    ln = t["local_nodes"]
+    per_node = "an integer >= 1 that divides trainer.nproc (its processes split evenly into emulated nodes)"
+    _check(_is_int(ln) and ln >= 1 and t["nproc"] % ln == 0, "trainer.local_nodes", ln, per_node)
     mr = t["max_restarts"]
     _check(_is_int(mr) and mr >= 0, "trainer.max_restarts", mr, "an integer >= 0")
     join = t["join"]
@@ -213,6 +217,7 @@ def validate(cfg: dict[str, Any]) -> None:
     _validate_model(cfg["model"])
     _validate_loader(cfg["data"])
     world_size = world_size_of(cfg)
+    validate_scope(cfg["sync"])
     for group in TARGET_GROUPS:
         validator = _validator(group, cfg[group].get("_target_"))
         if validator is not None:

@@ -18,6 +18,7 @@ from hydra.utils import instantiate
 from torch import nn
 
 from algorithms.base import StepResult, SyncContext, SyncReport
+from algorithms.scope import build_sync
 from data.common import Loaders, build_data
 from distributed.clock import build_clock
 from distributed.comm import Communicator
@@ -73,7 +74,7 @@ class Trainer:
             self.run.resume(state, len(data.train), self.world_size, self.batch_size)
             resumed = self.checkpointer.resumed(state.get("world_size"), self.world_size, self.run, t["epochs"])
             self.schedule.scale = 1.0  # (an eviction's or a loss's LR scale was the shrunk world's, not this one's)
-        self.sync = instantiate(cfg["sync"])  # (and again where an admission resizes the world: resize)
+        self.sync = build_sync(cfg["sync"], self.membership)  # (again where an admission resizes the world: resize)
         self.loop = LoopState()
         logger = instantiate(cfg["logger"]) if not self.done() else NoLogger()  # nothing to train, nothing to log
         self.recorder = Recorder(run_dir, cfg, self.sync.name, self.membership, logger)
@@ -126,7 +127,7 @@ class Trainer:
         self.run.resume(state, len(self.data.train), m.size, self.batch_size)
         self.schedule = build_schedule(self.cfg, len(self.data.train), m.size)
         self.sync = None  # (the old algorithm's hooks on the model, DDP's, go with it before the new one's)
-        self.sync = instantiate(self.cfg["sync"])
+        self.sync = build_sync(self.cfg["sync"], m)
         self.sync.setup(self.raw_model, self.optimizer, self.context(replicas_agree=True))
         if "sync" in state:  # (a joiner may take a late shared state later: complete())
             self.sync.load_state_dict(state["sync"])

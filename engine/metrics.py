@@ -203,7 +203,12 @@ class Recorder:
         ``resume`` event and line."""
         world = {"event": "world", "world_size": len(hosts), "hosts": dict(enumerate(hosts))}
         world["launcher"] = launcher_name()
+        m = self.membership
+        world["nodes"], world["scope"] = dict(enumerate(m.nodes[: len(hosts)])), "node" if m.whole_nodes else "process"
         self.event(world, epoch, step)
+        if m.whole_nodes:
+            shape = f"{len(m.node_ids())} nodes x {len(m.node_ranks())} processes"
+            self.console(f"relaxsync: sync.scope=node: {shape}, the option's exchange runs among the nodes")
         if resumed is not None:
             event, line = resumed
             self.event(event, epoch, step)

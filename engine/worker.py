@@ -80,6 +80,9 @@ def local_worker(
     failed because a peer went away lets that peer's exit be seen first, so the agent reports the peer's error as
     the run's root cause, not the lost connection."""
     adopt_environment(launcher_env)
+    per_node = cfg["trainer"]["nproc"] // cfg["trainer"].get("local_nodes", 1)
+    if cfg["trainer"].get("local_nodes", 1) > 1:  # (emulated nodes: a name of its own for each, distributed/world.py)
+        os.environ["RELAXSYNC_NODE"] = f"local{int(os.environ['LOCAL_RANK']) // per_node}"
     try:
         result = (entrypoint or run_worker)(cfg, run_dir)
     except Exception as error:

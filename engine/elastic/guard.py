@@ -202,11 +202,11 @@ class SurvivingGuard:
 def training_membership(on_failure: str, hang_timeout_s: float, rank: int, world_size: int) -> Membership:
     """The active ranks and their group. Under ``continue`` every training collective gets a deadline, so that a
     hung peer makes it fail instead of waiting ``trainer.timeout_s``."""
-    hosts = host_names()
+    hosts, nodes = host_names()
     if on_failure != "continue":
-        return Membership(rank, world_size, hosts=hosts)
+        return Membership(rank, world_size, hosts=hosts, nodes=nodes)
     deadline = datetime.timedelta(seconds=hang_timeout_s)
-    membership = Membership(rank, world_size, hosts=hosts, timeout=deadline, backend=dist.get_backend())
+    membership = Membership(rank, world_size, hosts=hosts, timeout=deadline, backend=dist.get_backend(), nodes=nodes)
     membership.group = membership.form(list(range(world_size)))  # (one that joiners can be in later)
     return membership
 

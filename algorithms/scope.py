@@ -1,0 +1,133 @@
+"""``sync.scope``: whether a sync option's members are processes or nodes.
+
+At ``process`` scope every process is a member of the algorithm, as it was written. At ``node`` scope
+(:class:`NodeScope`, around the option) the processes of a node agree on their gradients every step over the
+node's fast link, so that they hold one replica between them and step alike, and the option runs among the nodes
+(``distributed/nodes.py``): one replica, one set of residuals, one gossip peer per node, and the bytes each node
+sends on the slow link are those of one process per node, however many processes it has. L processes of batch b
+per node are then the same algorithm as one process of batch L·b per node.
+
+What "per node" means for each option: local SGD and DiLoCo (streaming included) average one replica per node,
+each process carrying the 1/L chunk of the average that matches its local index; DGC takes the top-k of the
+node's gradient, with one set of residuals per node (held alike by its processes), and gathers the node's sparse
+values across nodes in L chunks; SGP and Crossover gossip between nodes, a message crossing in L chunks; adaptive
+local SGD measures the node's loss; relaxed sync times a node by its slowest process (the node waits for it every
+step) and evicts the whole node, keeping CAC's meaning: it evicts the slow unit of data parallelism, which is now
+a node. ``auto`` (the default) is ``node`` where the run has more than one node and more than one process on each,
+and the option runs at node scope; ``process`` otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from algorithms.base import StepResult, SyncAlgorithm, SyncContext, SyncReport, Wrapper
+from distributed.membership import Change, Membership
+from distributed.nodes import NodeCommunicator, NodeView, layout
+from errors import ConfigError
+
+SCOPES = ("auto", "node", "process")
+
+
+class NodeScope(Wrapper):
+    """An option run among nodes (the module docstring); every hook, flag and state is the option's own."""
+
+    def __init__(self, inner: SyncAlgorithm):
+        super().__init__(inner)
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.inner.name
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: SyncContext) -> None:
+        self.ctx, self.model, self.optimizer = ctx, model, optimizer
+        ctx.membership.whole_nodes = True
+        self.view = NodeView(ctx.membership)
+        self.comm = NodeCommunicator(ctx.comm, self.view)
+        self.comm.levels()
+        # (no guests: a process that joins takes its model by transfer)
+        node_ctx = SyncContext(self.comm, self.view, ctx.device, ctx.replicas_agree)  # type: ignore[arg-type]
+        self.inner.setup(model, optimizer, node_ctx)
+
+    def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
+        return self.inner.after_backward(step, self.comm.average_gradients(self.model, grads_finite))
+
+    def after_optimizer_step(self, result: StepResult) -> SyncReport:
+        """The option sees the node's step: its loss (the mean of its processes', that of the node's whole batch)
+        and times (the slowest process's: the node waits for it every step)."""
+        if self.view.local_size > 1:
+            own = [result.loss, result.data_s, result.compute_s]
+            own = torch.tensor(own, dtype=torch.float64, device=self.comm.device)
+            every = self.comm.gather_in_node(own).cpu()
+            loss, data_s, compute_s = every[:, 0].mean().item(), every[:, 1].max().item(), every[:, 2].max().item()
+            result = replace(result, loss=loss, data_s=data_s, compute_s=compute_s)
+        return self.inner.after_optimizer_step(result)
+
+    def on_membership_change(self, change: Change) -> SyncReport:
+        self.comm.levels()
+        return self.inner.on_membership_change(self.view.in_nodes(change))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()  # (the option's own: a checkpoint reads the same at either scope)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
+def runs_per_node(option: type) -> bool:
+    """Whether ``option`` (an algorithm class) runs at node scope: those that exchange in DDP's backward hooks
+    (allreduce, PowerSGD) average their gradients across every process as DDP does."""
+    from algorithms.allreduce import AllReduce
+
+    return not issubclass(option, AllReduce)
+
+
+def resolve_scope(scope: str, option: type, membership: Membership) -> str:
+    """``node`` or ``process`` for this run (``scope``: ``sync.scope``)."""
+    shape = layout(membership)
+    if scope == "process":
+        return "process"
+    many = shape is not None and shape[0] > 1 and shape[1] > 1
+    if scope == "auto":
+        return "node" if many and runs_per_node(option) else "process"
+    if not runs_per_node(option):
+        raise ConfigError("sync.scope", scope, f"process for sync={option.name} (it averages in DDP's backward)")
+    if shape is None:
+        sizes = {membership.nodes[n]: len(membership.node_ranks(n)) for n in membership.node_ids()}
+        raise ConfigError("sync.scope", scope, f"process: the nodes run unequal numbers of processes ({sizes})")
+    return "node"
+
+
+def exchange_class(section: dict[str, Any]) -> type:
+    """The class of the option's exchange (a wrapper's inner option)."""
+    from hydra.utils import get_class
+
+    return get_class((section.get("inner") or section)["_target_"])
+
+
+def validate_scope(section: dict[str, Any]) -> None:
+    scope = section.get("scope", "auto")
+    if scope not in SCOPES:
+        raise ConfigError("sync.scope", scope, " | ".join(SCOPES))
+    option = exchange_class(section)
+    if scope == "node" and not runs_per_node(option):
+        why = f"process or auto for sync={option.name} (it averages in DDP's backward)"
+        raise ConfigError("sync.scope", scope, why)
+    if scope == "node" and section.get("measure") == "link":
+        raise ConfigError("sync.scope", scope, "process or auto under sync.measure=link (it probes processes' links)")
+
+
+def build_sync(section: dict[str, Any], membership: Membership) -> SyncAlgorithm:
+    """The sync option ``section`` configures (``sync``), at the scope ``sync.scope`` resolves to for this run."""
+    from hydra.utils import instantiate
+
+    section = dict(section)
+    scope = section.pop("scope", "auto")
+    if scope == "auto" and section.get("measure") == "link":
+        scope = "process"
+    algorithm = instantiate(section)
+    return NodeScope(algorithm) if resolve_scope(scope, exchange_class(section), membership) == "node" else algorithm

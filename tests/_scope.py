@@ -1,0 +1,77 @@
+"""The node-scope reference runs (``tests/test_scope.py``): every option, driven through its hooks in the trainer's
+order, in a world of 2 nodes x 2 processes at ``sync.scope=node`` (each process a half of its node's batch), and
+in a world of 2 processes, each with its node's whole batch as two micro-batches whose gradients it averages
+(the gradient a node's processes agree on). Run in processes of their own: ``run(world, cases, out)``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STEPS, MICRO, FEATURES, CLASSES = 8, 4, 8, 4  # steps; samples per micro-batch; MLP input and output sizes
+
+
+def batch(step: int, node: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``micro`` of node ``node``'s batch at ``step``: the same in both worlds."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * node + micro)
+    return torch.randn(MICRO, FEATURES, generator=g), torch.randint(0, CLASSES, (MICRO,), generator=g)
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, CLASSES))
+
+
+def train(section: dict[str, Any], rank: int, nodes: list[str], micros: list[int], node: int) -> torch.Tensor:
+    """One option for :data:`STEPS` steps on this process; its parameters at the end, flat."""
+    from algorithms.base import StepResult, SyncContext
+    from algorithms.scope import build_sync
+    from distributed.comm import Communicator
+    from distributed.membership import Membership
+
+    membership = Membership(rank, len(nodes), nodes=list(nodes))
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    sync = build_sync(section, membership)
+    sync.setup(net, optimizer, SyncContext(Communicator(membership), membership, torch.device("cpu")))
+    sync.on_epoch_start(1)
+    for step in range(STEPS):
+        sync.before_step(step)
+        optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for micro in micros:
+            x, y = batch(step, node, micro)
+            loss = nn.functional.cross_entropy(sync.module(x), y)
+            loss.backward()
+            losses.append(loss.item())
+        if len(micros) > 1:  # (the mean of the micro-batches' gradients, summed as a node's processes sum them)
+            for p in net.parameters():
+                p.grad.div_(len(micros))
+        report = sync.after_backward(step, True)
+        if report.grads_finite:
+            optimizer.step()
+        lr = optimizer.param_groups[0]["lr"]
+        result = StepResult(step, 1, sum(losses) / len(losses), lr, report.grads_finite, 0.0, 0.001)
+        sync.after_optimizer_step(result)
+    sync.drain()
+    sync.before_eval()
+    sync.finalize()
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+def run(rank: int, world: int, init: str, cases: dict[str, dict[str, Any]], out: str) -> None:
+    """In a spawned process of a world of ``world`` (4: 2 nodes x 2 processes; 2: a process per node): every case's
+    final parameters, saved by each rank in ``out``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    if world == 4:
+        nodes, micros, node = ["a", "a", "b", "b"], [rank % 2], rank // 2
+    else:
+        nodes, micros, node = ["a", "b"], [0, 1], rank
+    results = {name: train(section, rank, nodes, micros, node) for name, section in cases.items()}
+    torch.save(results, f"{out}/{world}-{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
