@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from algorithms.base import SyncAlgorithm, SyncContext, SyncReport
-from distributed.comm import Communicator, tensor_bytes
+from distributed.comm import Communicator
 from distributed.membership import Change
 from errors import require
 
@@ -44,15 +44,10 @@ def counted_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.f
     """DDP's default allreduce (average: divided, then summed), counted by the Communicator; its work is kept for
     :meth:`AllReduce.after_backward`. DDP waits for the future in C++: it is relayed through the membership, so
     that a peer lost elsewhere ends that wait too (distributed/alarm.py)."""
-    start = time.perf_counter()
     state.last_ready = state.comm.clock.mark()  # (on a GPU, where the stream is: the bucket's gradients are queued)
-    buffer, group = bucket.buffer(), state.comm.group
-    buffer.div_(group.size())
-    work = dist.all_reduce(buffer, group=group, async_op=True)
-    state.comm.time_on_device([work])  # (nothing off a device: there its time is the callback's below)
-    state.works.append(work)
-    future = work.get_future().then(lambda f: f.value()[0])
-    return state.comm.membership.relay(counted(future, state.comm, tensor_bytes(buffer), start))
+    works, future = state.comm.average_bucket_async(bucket.buffer())
+    state.works.extend(works)
+    return state.comm.membership.relay(future)
 
 
 def counted(
@@ -114,7 +109,7 @@ class AllReduce(SyncAlgorithm):
         self.ddp = DistributedDataParallel(
             model,
             device_ids=device_ids,
-            process_group=ctx.comm.group,
+            process_group=ctx.comm.replica_group,  # (at node scope, the node's: distributed/nodes.py)
             bucket_cap_mb=self.bucket_cap_mb,
             **NO_FORWARD_BUFFER_SYNC,
             gradient_as_bucket_view=True,

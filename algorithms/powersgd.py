@@ -133,18 +133,21 @@ def counted_powersgd_hook(state: _PowerHookState, bucket: dist.GradBucket) -> to
     the reverse, a collective mismatch that gloo aborts on. Waiting here keeps
     every rank's collectives in the same order, at the cost of not overlapping one bucket's exchange with the
     rest of the backward pass."""
-    start, clock = time.perf_counter(), state.comm.clock
+    start, clock, comm = time.perf_counter(), state.comm.clock, state.comm
     state.last_ready = began = clock.mark()
-    psgd, buffer = state.psgd, bucket.buffer()
+    psgd, buffer, index = state.psgd, bucket.buffer(), bucket.index()
+    comm.mean_within_node(buffer)  # (node scope: the node's processes agree first, over the fast link)
+    psgd.process_group, counted_share = comm.bucket_group(index)
     state.buckets.prepare(bucket)
     plain = psgd.iter < psgd.start_powerSGD_iter
     before = psgd.total_numel_after_compression
-    future = state.comm.membership.relay(powerSGD_hook(psgd, bucket))
+    future = comm.membership.relay(powerSGD_hook(psgd, bucket))
     future.wait()  # (PeerLost when a peer is lost elsewhere meanwhile)
+    comm.share_bucket(buffer, index)
     if clock.on_device:  # (the wait ordered the current stream after the exchange: its end is a mark there)
-        state.comm.time_span(began, clock.mark())
+        comm.time_span(began, clock.mark())
     numel = buffer.numel() if plain else psgd.total_numel_after_compression - before
-    return counted(future, state.comm, numel * buffer.element_size(), start)
+    return counted(future, comm, numel * buffer.element_size() * counted_share, start)
 
 
 class PowerSGD(AllReduce):

@@ -7,14 +7,17 @@ node's fast link, so that they hold one replica between them and step alike, and
 sends on the slow link are those of one process per node, however many processes it has. L processes of batch b
 per node are then the same algorithm as one process of batch L·b per node.
 
-What "per node" means for each option: local SGD and DiLoCo (streaming included) average one replica per node,
+What "per node" means for each option: allreduce wraps DDP over the node's processes, and its comm hook averages
+each bucket across nodes, each process its chunk, while the backward pass goes on; PowerSGD compresses the node's
+gradient, each bucket by one of the node's processes in turn (its factors go whole), with one error feedback per
+bucket; local SGD and DiLoCo (streaming included) average one replica per node,
 each process carrying the 1/L chunk of the average that matches its local index; DGC takes the top-k of the
 node's gradient, with one set of residuals per node (held alike by its processes), and gathers the node's sparse
 values across nodes in L chunks; SGP and Crossover gossip between nodes, a message crossing in L chunks; adaptive
 local SGD measures the node's loss; relaxed sync times a node by its slowest process (the node waits for it every
 step) and evicts the whole node, keeping CAC's meaning: it evicts the slow unit of data parallelism, which is now
-a node. ``auto`` (the default) is ``node`` where the run has more than one node and more than one process on each,
-and the option runs at node scope; ``process`` otherwise.
+a node. ``auto`` (the default) is ``node`` where the run has more than one node and more than one process on each;
+``process`` otherwise.
 """
 
 from __future__ import annotations
@@ -52,8 +55,13 @@ class NodeScope(Wrapper):
         # (no guests: a process that joins takes its model by transfer)
         node_ctx = SyncContext(self.comm, self.view, ctx.device, ctx.replicas_agree)  # type: ignore[arg-type]
         self.inner.setup(model, optimizer, node_ctx)
+        self.in_backward = in_backward(type(exchange_of(self.inner)))
 
     def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
+        if self.in_backward:  # (DDP over the node's processes averaged them there, and across nodes by its hook)
+            report = self.inner.after_backward(step, grads_finite)
+            self.comm.gather_buckets()
+            return report
         return self.inner.after_backward(step, self.comm.average_gradients(self.model, grads_finite))
 
     def after_optimizer_step(self, result: StepResult) -> SyncReport:
@@ -78,45 +86,38 @@ class NodeScope(Wrapper):
         self.inner.load_state_dict(state)
 
 
-def runs_per_node(option: type) -> bool:
-    """Whether ``option`` (an algorithm class) runs at node scope: those that exchange in DDP's backward hooks
-    (allreduce, PowerSGD) average their gradients across every process as DDP does."""
+def exchange_of(algorithm: SyncAlgorithm) -> SyncAlgorithm:
+    """The exchange inside any wrappers."""
+    while isinstance(algorithm, Wrapper):
+        algorithm = algorithm.inner
+    return algorithm
+
+
+def in_backward(option: type) -> bool:
+    """Whether ``option`` (an algorithm class) exchanges gradients in DDP's backward hooks (allreduce, PowerSGD): at
+    node scope DDP averages them over the node's processes, and its hook across nodes."""
     from algorithms.allreduce import AllReduce
 
-    return not issubclass(option, AllReduce)
+    return issubclass(option, AllReduce)
 
 
-def resolve_scope(scope: str, option: type, membership: Membership) -> str:
+def resolve_scope(scope: str, membership: Membership) -> str:
     """``node`` or ``process`` for this run (``scope``: ``sync.scope``)."""
     shape = layout(membership)
     if scope == "process":
         return "process"
-    many = shape is not None and shape[0] > 1 and shape[1] > 1
     if scope == "auto":
-        return "node" if many and runs_per_node(option) else "process"
-    if not runs_per_node(option):
-        raise ConfigError("sync.scope", scope, f"process for sync={option.name} (it averages in DDP's backward)")
+        return "node" if shape is not None and shape[0] > 1 and shape[1] > 1 else "process"
     if shape is None:
         sizes = {membership.nodes[n]: len(membership.node_ranks(n)) for n in membership.node_ids()}
         raise ConfigError("sync.scope", scope, f"process: the nodes run unequal numbers of processes ({sizes})")
     return "node"
 
 
-def exchange_class(section: dict[str, Any]) -> type:
-    """The class of the option's exchange (a wrapper's inner option)."""
-    from hydra.utils import get_class
-
-    return get_class((section.get("inner") or section)["_target_"])
-
-
 def validate_scope(section: dict[str, Any]) -> None:
     scope = section.get("scope", "auto")
     if scope not in SCOPES:
         raise ConfigError("sync.scope", scope, " | ".join(SCOPES))
-    option = exchange_class(section)
-    if scope == "node" and not runs_per_node(option):
-        why = f"process or auto for sync={option.name} (it averages in DDP's backward)"
-        raise ConfigError("sync.scope", scope, why)
     if scope == "node" and section.get("measure") == "link":
         raise ConfigError("sync.scope", scope, "process or auto under sync.measure=link (it probes processes' links)")
 
@@ -130,4 +131,4 @@ def build_sync(section: dict[str, Any], membership: Membership) -> SyncAlgorithm
     if scope == "auto" and section.get("measure") == "link":
         scope = "process"
     algorithm = instantiate(section)
-    return NodeScope(algorithm) if resolve_scope(scope, exchange_class(section), membership) == "node" else algorithm
+    return NodeScope(algorithm) if resolve_scope(scope, membership) == "node" else algorithm

@@ -99,12 +99,14 @@ def node_env() -> dict[str, str]:
     return env
 
 
-def torchrun(net: EmulatedNetwork, node: int, job_id: str, port: int, nnodes: int | None = None) -> list[str]:
-    """The launcher line of ``node`` in a job of ``nnodes`` nodes (all of ``net``'s by default) meeting at a c10d
-    rendezvous on the first of them (``nnodes=1``: on ``node`` itself, a job of its own)."""
+def torchrun(
+    net: EmulatedNetwork, node: int, job_id: str, port: int, nnodes: int | None = None, procs: int = 1
+) -> list[str]:
+    """The launcher line of ``node`` (``procs`` processes) in a job of ``nnodes`` nodes (all of ``net``'s by default)
+    meeting at a c10d rendezvous on the first of them (``nnodes=1``: on ``node`` itself, a job of its own)."""
     host = net.address(0 if nnodes is None or nnodes > 1 else node)
     return [
-        TORCHRUN, "--nnodes", str(nnodes or net.nodes), "--nproc-per-node", "1", "--max-restarts", "0",
+        TORCHRUN, "--nnodes", str(nnodes or net.nodes), "--nproc-per-node", str(procs), "--max-restarts", "0",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", job_id,
         # the first node hosts the rendezvous store; addresses are the namespaces' own
         "--rdzv-conf", f"is_host={int(net.address(node) == host)}", "--local-addr", net.address(node),
@@ -112,17 +114,25 @@ def torchrun(net: EmulatedNetwork, node: int, job_id: str, port: int, nnodes: in
 
 
 def run_job(
-    net: EmulatedNetwork, overrides: list[str], steps: int, job_id: str, port: int, workdir: Path, timeout_s: float
+    net: EmulatedNetwork,
+    overrides: list[str],
+    steps: int,
+    job_id: str,
+    port: int,
+    workdir: Path,
+    timeout_s: float,
+    procs: int = 1,
 ) -> dict[str, Any]:
-    """``train.py OVERRIDES`` as one job across all nodes of ``net`` (one torchrun per node, one worker each);
-    returns its metrics and the bytes each node sent (the node logs stay in the run dir)."""
+    """``train.py OVERRIDES`` as one job across all nodes of ``net`` (one torchrun per node, ``procs`` workers each,
+    which reach each other over the node's loopback); returns its metrics and the bytes each node sent (the node
+    logs stay in the run dir)."""
     run_dir = workdir / job_id
     run_dir.mkdir(parents=True)
     train = [
         "train.py", "logger=none", "trainer.progress=false", "trainer.checkpoint_every=0",
         f"trainer.max_steps={steps}", f"trainer.run_dir={run_dir}", f"trainer.netdev={IFACE}", *overrides,
     ]  # fmt: skip
-    commands = [[*torchrun(net, node, job_id, port), *train] for node in range(net.nodes)]
+    commands = [[*torchrun(net, node, job_id, port, procs=procs), *train] for node in range(net.nodes)]
     return run_nodes(net, run_dir, commands, [node_env()] * net.nodes, timeout_s)
 
 

@@ -289,6 +289,41 @@ class Communicator:
     ) -> None:
         self.exchange_async(sends, recvs, mean_fraction).wait()
 
+    @property
+    def replica_group(self) -> dist.ProcessGroup:
+        """The group whose processes hold one replica between them and average their gradients in DDP's backward:
+        the active group (at node scope, a node's: ``distributed/nodes.py``)."""
+        return self.group
+
+    def average_bucket_async(self, buffer: torch.Tensor) -> tuple[list[Any], torch.futures.Future[torch.Tensor]]:
+        """For a DDP comm hook: average ``buffer`` (a bucket's gradients) in place over the active ranks, as DDP's
+        default hook does (divided, then summed); the works issued and a future of ``buffer`` that counts the
+        allreduce on completion (on a device its time there is counted apart, :meth:`time_on_device`)."""
+        start = time.perf_counter()
+        buffer.div_(self.group.size())
+        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        self.time_on_device([work])  # (nothing off a device: there its time is the callback's below)
+        nbytes = tensor_bytes(buffer)
+
+        def done(f: torch.futures.Future[Any]) -> torch.Tensor:
+            self.record_allreduce(nbytes, 0.0 if self.clock.on_device else time.perf_counter() - start)
+            return f.value()[0]
+
+        return [work], work.get_future().then(done)
+
+    def mean_within_node(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` averaged in place over the processes of this rank's node at node scope; as it is here."""
+        return tensor
+
+    def bucket_group(self, index: int) -> tuple[dist.ProcessGroup, float]:
+        """Where a comm hook that exchanges bucket ``index`` whole (PowerSGD's) runs it, and the share of that
+        exchange to count on this process (counts are means over the active processes): the active group, all of it
+        (at node scope, one process of the node's per bucket: ``distributed/nodes.py``)."""
+        return self.group, 1.0
+
+    def share_bucket(self, buffer: torch.Tensor, index: int) -> None:
+        """After :meth:`bucket_group`'s exchange: the bucket to every process that did not run it (none here)."""
+
     def within_node(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """Reduce ``tensor`` over the processes of this rank's node where an algorithm runs at node scope
         (``distributed/nodes.py``); at process scope each process is its own node: ``tensor`` as it is."""

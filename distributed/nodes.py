@@ -126,9 +126,11 @@ class NodeCommunicator(Communicator):
         super().__init__(view, base.clock)  # type: ignore[arg-type]
         self.base, self.view = base, view
         self._generation: int | None = None
-        self.node_group: Any = None  # the active ranks of this node (None: one process)
+        self.node_group: Any = None  # the active ranks of this node (a group of one where it has one process)
         self.cross_group: Any = None  # this local index's rank of every active node (None: one node)
         self.node_bytes = 0.0
+        self._buckets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (padded, share, bucket) in flight
+        self._solo: tuple[int | None, Any] | None = None  # (generation, a group of this process alone)
 
     # ---- the two levels ---------------------------------------------------------------------------------------
     def levels(self) -> None:
@@ -139,14 +141,15 @@ class NodeCommunicator(Communicator):
             return
         node = m.node_ranks()
         cross = [self.view.peer(n) for n in self.view.ranks]
-        self.node_group = m.subgroup(node) if len(node) > 1 else None
+        self.node_group = m.subgroup(node)
         self.cross_group = m.subgroup(cross) if len(cross) > 1 else None
+        self._buckets = []  # (issued on the replaced groups: dropped with them)
         self._generation = m.generation
 
     def within_node(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """Reduce ``tensor`` in place over the ranks of this node (the fast link)."""
         self.levels()
-        if self.node_group is not None:
+        if self.view.local_size > 1:
             start = time.perf_counter()
             work = dist.all_reduce(tensor, op=op, group=self.node_group, async_op=True)
             self.membership.wait([work])
@@ -164,7 +167,7 @@ class NodeCommunicator(Communicator):
 
     def _gather_in_node(self, share: torch.Tensor, into: torch.Tensor) -> None:
         """Every rank of the node its share (``into`` holds L shares of ``share``'s size, in local order)."""
-        if self.node_group is None:
+        if self.view.local_size == 1:
             into.copy_(share.reshape(into.shape))
             return
         start = time.perf_counter()
@@ -181,6 +184,78 @@ class NodeCommunicator(Communicator):
         padded = torch.zeros(chunk * self.view.local_size, dtype=flat.dtype, device=flat.device)
         padded[: flat.numel()] = flat
         return padded, padded[self.view.local_index * chunk : (self.view.local_index + 1) * chunk], chunk
+
+    # ---- DDP's buckets ----------------------------------------------------------------------------------------------
+    @property
+    def replica_group(self) -> dist.ProcessGroup:
+        """DDP wraps the model over the node's processes (the fast link): its comm hook then takes the exchange
+        across nodes (:meth:`average_bucket_async`)."""
+        self.levels()
+        return self.node_group
+
+    def average_bucket_async(self, buffer: torch.Tensor) -> tuple[list[Any], torch.futures.Future[torch.Tensor]]:
+        """A bucket averaged over every active process: over the node's processes at once (the fast link), then
+        across nodes, each process its chunk, in the background while the backward pass goes on; the node's
+        processes gather their chunks afterwards (:meth:`gather_buckets`, before the optimizer step)."""
+        buffer.div_(self.view.local_size)
+        self.within_node(buffer)
+        padded, share, _ = self._padded(buffer)
+        share.div_(self.view.size)
+        self._buckets.append((padded, share, buffer))
+        if self.cross_group is None:
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(buffer)
+            return [], done
+        start = time.perf_counter()
+        work = dist.all_reduce(share, group=self.cross_group, async_op=True)
+        self.time_on_device([work])
+        nbytes, nodes = tensor_bytes(share), self.view.size
+
+        def counted(f: torch.futures.Future[Any]) -> torch.Tensor:
+            self.record_allreduce(nbytes, 0.0 if self.clock.on_device else time.perf_counter() - start, nodes)
+            return buffer
+
+        return [work], work.get_future().then(counted)
+
+    def gather_buckets(self) -> None:
+        """Complete the buckets averaged this backward pass: each process's chunk to every process of the node."""
+        buckets, self._buckets = self._buckets, []
+        for padded, share, buffer in buckets:
+            self._gather_in_node(share.clone(), padded)
+            buffer.reshape(-1).copy_(padded[: buffer.numel()])
+
+    def bucket_owner(self, index: int) -> int:
+        """The local index of the process that exchanges bucket ``index`` across nodes where a bucket goes whole
+        (PowerSGD's factors): buckets are dealt out to the node's processes in turn."""
+        return index % self.view.local_size
+
+    def mean_within_node(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.view.local_size > 1:
+            self.within_node(tensor.div_(self.view.local_size))
+        return tensor
+
+    def bucket_group(self, index: int) -> tuple[dist.ProcessGroup, float]:
+        """Bucket ``index``'s owner runs the exchange on its cross group; the node's other processes run the same
+        computation on a group of their own alone (so that the state it keeps, a random generator and counters,
+        moves alike on all of them) and take the owner's result (:meth:`share_bucket`). Each counts 1/L of the
+        owner's bytes: the mean over the node's processes."""
+        self.levels()
+        share = 1.0 / self.view.local_size
+        if self.bucket_owner(index) == self.view.local_index:
+            return (self.cross_group if self.cross_group is not None else self.node_group), share
+        if self._solo is None or self._solo[0] != self._generation:
+            self._solo = (self._generation, self.view.membership.subgroup([self.view.membership.rank]))
+        return self._solo[1], share
+
+    def share_bucket(self, buffer: torch.Tensor, index: int) -> None:
+        """The owner's (:meth:`bucket_owner`) exchanged bucket to every process of the node."""
+        if self.view.local_size > 1:
+            owner = self.view.membership.node_ranks()[self.bucket_owner(index)]
+            start = time.perf_counter()
+            work = dist.broadcast(buffer, src=owner, group=self.node_group, async_op=True)
+            self.membership.wait([work])
+            self.node_bytes += tensor_bytes(buffer) / self.view.local_size
+            self.base.record(0.0, 0.0, self._issued([work], time.perf_counter() - start))
 
     # ---- accounting: the process's communicator's ---------------------------------------------------------------
     @property

@@ -5,6 +5,7 @@ in a world of 2 processes, each with its node's whole batch as two micro-batches
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -42,14 +43,13 @@ def train(section: dict[str, Any], rank: int, nodes: list[str], micros: list[int
         sync.before_step(step)
         optimizer.zero_grad(set_to_none=True)
         losses = []
-        for micro in micros:
+        for i, micro in enumerate(micros):  # (each micro-batch's gradient halved: halving is exact in floating point)
             x, y = batch(step, node, micro)
-            loss = nn.functional.cross_entropy(sync.module(x), y)
-            loss.backward()
+            last = i == len(micros) - 1
+            with sync.module.no_sync() if hasattr(sync.module, "no_sync") and not last else contextlib.nullcontext():
+                loss = nn.functional.cross_entropy(sync.module(x), y)
+                (loss / len(micros)).backward()
             losses.append(loss.item())
-        if len(micros) > 1:  # (the mean of the micro-batches' gradients, summed as a node's processes sum them)
-            for p in net.parameters():
-                p.grad.div_(len(micros))
         report = sync.after_backward(step, True)
         if report.grads_finite:
             optimizer.step()

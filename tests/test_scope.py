@@ -17,6 +17,9 @@ from distributed.nodes import NodeView, layout
 from errors import ConfigError
 
 CASES = {
+    "allreduce": ["sync=allreduce", "sync.bucket_cap_mb=0.001"],
+    "powersgd": ["sync=powersgd", "sync.start_powerSGD_iter=2", "sync.min_compression_rate=0.5",
+                 "sync.bucket_cap_mb=0.001"],
     "localsgd": ["sync=localsgd", "sync.begin_step=2", "sync.k_steps=3"],
     "adaptive_localsgd": ["sync=adaptive_localsgd", "sync.begin_step=1", "sync.init_k_steps=2"],
     "diloco": ["sync=diloco", "sync.inner_steps=2"],
@@ -105,15 +108,12 @@ def test_auto_is_node_scope_only_with_several_nodes_of_several_processes():
     assert isinstance(build_sync(section, _membership(0, ["a", "a", "b", "b"])), NodeScope)
     for nodes in (["a", "b", "c", "d"], ["a", "a", "a", "a"]):
         assert not isinstance(build_sync(section, _membership(0, nodes)), NodeScope), nodes
-    ddp = plain_cfg("sync=allreduce", "trainer.device=cpu")["sync"]
-    assert not isinstance(build_sync(ddp, _membership(0, ["a", "a", "b", "b"])), NodeScope)
 
 
 @pytest.mark.parametrize(
     "overrides",
     [
         ["sync.scope=nodes"],
-        ["sync=allreduce", "sync.scope=node"],
         ["sync=relaxed", "sync@sync.inner=localsgd", "sync.measure=link", "sync.scope=node"],
     ],
 )
