@@ -258,14 +258,14 @@ class RelaxedSync(Wrapper):
             "times": times,
             "reference": verdict.reference,
             "threshold": self.threshold,
-            "world_size": m.size,
+            "world_size": m.processes,  # (processes: at node scope m.size counts nodes)
             "check": verdict.check,
             "measure": self.measure,
         }
         self.evictions.append(dict(evict))
         evict["message"] = (
             f"relaxsync: evicted rank(s) {verdict.evicted} {when} by {what} "
-            f"({', '.join(f'{times[str(r)] * 1e3:.1f}' for r in verdict.evicted)} ms vs reference "
-            f"{verdict.reference * 1e3:.1f} ms, threshold {self.threshold:g}x); world size now {m.size}"
+            f"({', '.join(f'{times[str(r)] * 1e3:.1f}' for r in verdict.evicted if str(r) in times)} ms vs reference "
+            f"{verdict.reference * 1e3:.1f} ms, threshold {self.threshold:g}x); world size now {m.processes}"
         )
         return SyncReport(events=[check, evict])  # what follows is on_membership_change's to say

@@ -79,6 +79,9 @@ class NodeScope(Wrapper):
         self.comm.levels()
         return self.inner.on_membership_change(self.view.in_nodes(change))
 
+    def agreement_at(self, steps: int) -> int:
+        return steps  # (a joiner takes its model by transfer at node scope: no averaging to align an admission to)
+
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()  # (the option's own: a checkpoint reads the same at either scope)
 

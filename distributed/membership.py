@@ -236,6 +236,12 @@ class Membership:
         return len(self.ranks)
 
     @property
+    def processes(self) -> int:
+        """The active processes (:attr:`size` too, here; at node scope, where an algorithm's ``size`` counts nodes,
+        still the processes: ``distributed/nodes.py``)."""
+        return len(self.ranks)
+
+    @property
     def index(self) -> int:
         """This rank's position among the active ranks (its rank inside ``group``)."""
         return self.ranks.index(self.rank)

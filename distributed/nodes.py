@@ -100,12 +100,12 @@ class NodeView:
         return NodeGroup(list(nodes), self.membership.subgroup(cross) if len(cross) > 1 else None)
 
     def remove(self, nodes: list[int], cause: str, reasons: dict[int, str] | None = None) -> Change | None:
-        """Remove ``nodes`` (all their ranks, :meth:`Membership.remove`); the change in nodes."""
+        """Remove ``nodes`` (:meth:`Membership.remove` of all their ranks); the change, in ranks (what a record of it
+        names: every process that left)."""
         m = self.membership
         ranks = [r for n in nodes for r in m.node_ranks(n)]
         by_rank = {r: why for n, why in (reasons or {}).items() for r in m.node_ranks(n)}
-        change = m.remove(ranks, cause, by_rank)
-        return self.in_nodes(change) if change is not None else None
+        return m.remove(ranks, cause, by_rank)
 
     def in_nodes(self, change: Change) -> Change:
         """``change`` (of ranks) in node ids: the nodes removed (each named by its lowest rank before) or added, and

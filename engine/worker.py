@@ -83,6 +83,7 @@ def local_worker(
     per_node = cfg["trainer"]["nproc"] // cfg["trainer"].get("local_nodes", 1)
     if cfg["trainer"].get("local_nodes", 1) > 1:  # (emulated nodes: a name of its own for each, distributed/world.py)
         os.environ["RELAXSYNC_NODE"] = f"local{int(os.environ['LOCAL_RANK']) // per_node}"
+        os.environ["RELAXSYNC_NODE_SIZE"] = str(per_node)
     try:
         result = (entrypoint or run_worker)(cfg, run_dir)
     except Exception as error:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from distributed.membership import Change, Membership
-from engine.elastic.records import Admission, Decision, Keys, Notice, Offer, ticket_rank
+from engine.elastic.records import Admission, Decision, Keys, NodeTicket, Notice, Offer, ticket_rank, whole_nodes
 
 
 def test_each_record_reads_back_as_it_was_written():
@@ -17,16 +17,30 @@ def test_each_record_reads_back_as_it_was_written():
     offer = Offer(contributors=2, names=["fc.weight", "fc.bias"], numel=42, advance=True)
     assert Offer.read(json.loads(json.dumps(offer.wire()))) == offer and Offer.read(None) is None
     view = {"ranks": [0, 1], "generation": 4, "initial_size": 2, "hosts": ["a", "b"], "agreements": 7}
-    admission = Admission(view, {5: "node-c"}, at=12, round=2, admitted=3, ahead=True, inline=False)
+    admission = Admission(view, {5: "node-c"}, at=12, round=2, admitted=3, ahead=True, inline=False, nodes={5: "n2"})
     read = Admission.read(admission.wire().encode())
     assert read == admission and read.generation == 4 and list(read.added) == [5]  # (ids, not JSON's strings)
+    assert list(read.nodes) == [5]
+    ticket = NodeTicket("run/node2", processes=2)
+    assert NodeTicket.read(ticket.wire().encode()) == ticket
+
+
+def test_at_node_scope_only_nodes_all_of_whose_processes_asked_are_admitted():
+    x, y = NodeTicket("x", 2), NodeTicket("y", 2)
+    assert whole_nodes(3, []) == 3
+    assert whole_nodes(3, [x]) == 3  # (half of node x)
+    assert whole_nodes(3, [x, x]) == 5
+    assert whole_nodes(3, [x, y, x]) == 3  # (x whole, but not as a prefix: y's other half has not asked)
+    assert whole_nodes(3, [x, y, x, y]) == 7
+    assert whole_nodes(3, [x, x, y]) == 5  # (x now, y at a later admission)
 
 
 def test_every_key_of_the_protocol_is_distinct_and_under_the_runs_prefix():
     keys = Keys(Membership(0, 2, prefix="run-a"))
     built = [
         keys.tickets(), keys.closed(), keys.promise(1, 0), keys.promise(1, 1), keys.promise(2, 0),
-        keys.advance_sent(1), keys.offer(1, 0), keys.offer(1, 1), keys.host(1), keys.host(2), keys.notice(1),
+        keys.advance_sent(1), keys.offer(1, 0), keys.offer(1, 1), keys.host(1), keys.host(2), keys.node(1),
+        keys.notice(1),
         keys.admission(1), keys.ticket_offer(1, 0), keys.advance_from(1, 0), keys.prepared(1, 0),
         keys.pipe(0, 0, 2), keys.pipe("advance-0", 0, 2),
     ]  # fmt: skip

@@ -126,21 +126,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_nodes(n: int, run_dir: Path, *overrides: str) -> list[subprocess.Popen]:
-    """``n`` torchrun agents on this machine, one worker each, meeting at a c10d rendezvous hosted by the first:
-    a multi-node job in which one "node" can be killed without the others' agents noticing."""
+def start_nodes(n: int, run_dir: Path, *overrides: str, procs: int = 1) -> list[subprocess.Popen]:
+    """``n`` torchrun agents on this machine, ``procs`` workers each, meeting at a c10d rendezvous hosted by the
+    first: a multi-node job in which one "node" can be killed without the others' agents noticing."""
     port = free_port()
-    return [start_node(node, str(n), port, run_dir, overrides) for node in range(n)]
+    return [start_node(node, str(n), port, run_dir, overrides, procs=procs) for node in range(n)]
 
 
 def start_node(
-    node: int, nnodes: str, port: int, run_dir: Path, overrides, rdzv_conf: str = "", **environ: str
+    node: int, nnodes: str, port: int, run_dir: Path, overrides, rdzv_conf: str = "", procs: int = 1, **environ: str
 ) -> subprocess.Popen:
-    """Node ``node``'s torchrun agent (the first hosts the rendezvous at ``port``)."""
+    """Node ``node``'s torchrun agent, ``procs`` workers (the first hosts the rendezvous at ``port``)."""
     environ = dict(env(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **environ)
     environ.update(node_environ(node))  # (make test-gpu: each node a GPU, or a host for NCCL, of its own)
     launcher = [
-        TORCHRUN, "--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "0", "--monitor-interval", "0.5",
+        TORCHRUN, "--nnodes", nnodes, "--nproc-per-node", str(procs), "--max-restarts", "0",
+        "--monitor-interval", "0.5",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_dir.name,
         "--rdzv-conf", f"is_host={int(node == 0)}{rdzv_conf}",
     ]  # fmt: skip
@@ -152,14 +153,22 @@ def start_node(
 
 
 def worker_of(node: subprocess.Popen) -> tuple[int, int]:
-    """(pid, global rank) of the one worker a torchrun agent started."""
+    """(pid, global rank) of the (first) worker a torchrun agent started."""
+    workers = workers_of(node)
+    assert workers, f"no worker under agent {node.pid}"
+    return workers[0]
+
+
+def workers_of(node: subprocess.Popen) -> list[tuple[int, int]]:
+    """(pid, global rank) of each worker a torchrun agent started, by rank."""
     children = subprocess.run(["pgrep", "-P", str(node.pid)], capture_output=True, text=True).stdout.split()
+    workers = []
     for pid in map(int, children):
         with open(f"/proc/{pid}/environ", "rb") as f:
             environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
         if b"RANK" in environ:
-            return pid, int(environ[b"RANK"])
-    raise AssertionError(f"no worker under agent {node.pid}")
+            workers.append((pid, int(environ[b"RANK"])))
+    return sorted(workers, key=lambda w: w[1])
 
 
 def finish(nodes: list[subprocess.Popen], run_dir: Path, timeout: float = 240) -> list[dict]:

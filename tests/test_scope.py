@@ -3,13 +3,19 @@ batch (exactly: the same sums in the same order), and the bookkeeping that keeps
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import tempfile
+import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from _scope import run
-from conftest import plain_cfg
+from conftest import ROOT, plain_cfg, records, train
 
 from algorithms.scope import NodeScope, build_sync
 from distributed.membership import Change, Membership
@@ -120,3 +126,97 @@ def test_auto_is_node_scope_only_with_several_nodes_of_several_processes():
 def test_a_scope_that_cannot_run_is_refused_before_any_worker(overrides):
     with pytest.raises(ConfigError, match="sync.scope"):
         plain_cfg("trainer.device=cpu", *overrides)
+
+
+# ---- a run of nodes end to end ----------------------------------------------------------------------------------
+def test_relaxed_sync_evicts_a_node_slowed_by_one_of_its_processes(tmp_path):
+    """2 emulated nodes x 2 processes, rank 3 slowed 3x from epoch 2: its node steps at its pace, and the check at
+    the start of epoch 3 evicts the whole node (ranks 2 and 3, both exiting 0); node 0 trains on, its two
+    processes one replica."""
+    summary, metrics = train(
+        tmp_path, "sync=relaxed", "sync.relaxed_sync_threshold=2.0", "straggler=sleep", "straggler.start_epoch=2",
+        "straggler.slowdown=3.0", "straggler.ranks=[3]", "model=test_resnet", "data=digits", "logger=none",
+        "trainer.progress=false", "trainer.nproc=4", "trainer.local_nodes=2", "trainer.epochs=3",
+    )  # fmt: skip
+    (world,) = [r for r in records(metrics, "event") if r["event"] == "world"]
+    assert world["scope"] == "node" and len(set(world["nodes"].values())) == 2
+    (evict,) = [r for r in records(metrics, "event") if r["event"] == "evict"]
+    assert evict["ranks"] == [2, 3] and evict["epoch"] == 3 and set(evict["times"]) == {"0", "2"}  # (node 2: 2, 3)
+    assert evict["world_size"] == 2
+    assert evict["times"]["2"] > 2.0 * evict["reference"]
+    assert {r["world_size"] for r in records(metrics, "train") if r["epoch"] >= 3} == {2}
+    assert summary["ranks"] == [0, 1] and summary["evicted_ranks"] == [2, 3]
+    assert summary["replica_spread"] == 0.0 and summary["top1"] > 30.0
+
+
+NODE_KILL = {"allreduce": [], "localsgd": ["sync.k_steps=4"], "dgc": ["sync.min_compress_numel=1024"]}
+
+
+@pytest.mark.parametrize(
+    "sync", ["allreduce", pytest.param("localsgd", marks=pytest.mark.full), pytest.param("dgc", marks=pytest.mark.full)]
+)
+def test_a_whole_node_killed_leaves_and_the_other_node_finishes_with_every_step_once(tmp_path, sync):
+    """2 torchrun agents on this machine, 2 workers each, at node scope; node 1's agent and both its workers
+    ``kill -9``ed between two steps: node 0 agrees that its peers died, regroups as a node alone and finishes,
+    every step recorded once, its two processes one replica."""
+    from test_faults import SHRINK, finish, start_nodes, wait_for_train_steps, workers_of
+
+    run_dir = tmp_path / "run"
+    pace = ["straggler=sleep", "straggler.ranks=[3]", "straggler.start_epoch=1", "straggler.sleep_s=0.3"]
+    nodes = start_nodes(2, run_dir, *SHRINK, f"sync={sync}", *NODE_KILL[sync], *pace, procs=2)
+    wait_for_train_steps(run_dir, 8)
+    victim = nodes[1]
+    workers = workers_of(victim)
+    assert [rank for _, rank in workers] == [2, 3]
+    deadline = time.monotonic() + 30
+    while "nanosleep" not in Path(f"/proc/{workers[1][0]}/wchan").read_text():  # (between two steps)
+        assert time.monotonic() < deadline, "rank 3 never sleeps"
+        time.sleep(0.005)
+    os.killpg(victim.pid, signal.SIGKILL)
+    for pid, _ in workers:
+        os.kill(pid, signal.SIGKILL)
+    metrics = finish([nodes[0]], run_dir)
+    victim.wait()
+
+    (world,) = [r for r in records(metrics, "event") if r["event"] == "world"]
+    assert world["scope"] == "node"
+    (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
+    assert lost["ranks"] == [2, 3] and lost["cause"] == "died" and lost["world_size"] == 2
+    (summary,) = records(metrics, "summary")
+    epoch = lost["epoch"]  # 12 steps per epoch with 4 processes until the loss's epoch ends, then 24
+    assert summary["finished"] and summary["steps"] == 12 * epoch + 24 * (3 - epoch)
+    assert [r["step"] for r in records(metrics, "train")] == list(range(summary["steps"]))
+    assert summary["lost_ranks"] == [2, 3] and summary["ranks"] == [0, 1] and summary["replica_spread"] == 0.0
+
+
+@pytest.mark.full  # ~2 min (6 processes); make test: the whole-node admission rule (test_elastic_records), a
+# process's join (test_joins) and a node's loss (above)
+def test_a_node_of_two_processes_joins_two_nodes_whole_without_stopping_them(tmp_path):
+    """Two torchrun nodes of 2 processes train at node scope; ``train.py trainer.join=true trainer.nproc=2`` starts a
+    node of 2 that asks to join: its two processes are admitted together (a node never joins in part), every step
+    is recorded once, and the three nodes end as one replica."""
+    from test_faults import env, finish, start_nodes, tail, wait_for_train_steps
+    from test_joins import MEMBERS, _join_file
+
+    run_dir = tmp_path / "run"
+    nodes = start_nodes(2, run_dir, *MEMBERS, procs=2)
+    _join_file(run_dir)
+    wait_for_train_steps(run_dir, 4)
+    log = open(tmp_path / "run-node2.log", "w")
+    joiner = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *MEMBERS, "trainer.join=true", f"trainer.run_dir={run_dir}",
+         "trainer.nproc=2"],
+        cwd=ROOT, env=dict(env(), OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    metrics = finish(nodes, run_dir, timeout=400)
+    assert joiner.wait(timeout=120) == 0, tail(run_dir)
+    events = records(metrics, "event")
+    (world,) = [e for e in events if e["event"] == "world"]
+    assert world["scope"] == "node"
+    (join,) = [e for e in events if e["event"] == "rank_joined"]
+    assert join["ranks"] == [4, 5] and join["world_size"] == 6
+    steps = records(metrics, "train")
+    assert [r["step"] for r in steps] == list(range(len(steps)))
+    assert {r["world_size"] for r in steps if r["step"] >= join["step"]} == {6}
+    summary = records(metrics, "summary")[-1]
+    assert summary["finished"] and summary["world_size"] == 6 and summary["replica_spread"] == 0.0

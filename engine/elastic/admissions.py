@@ -15,7 +15,17 @@ import torch
 import torch.distributed as dist
 
 from distributed.membership import Membership, StoreLoop
-from engine.elastic.records import Admission, Decision, JoinFile, Keys, Notice, Offer, ticket_rank
+from engine.elastic.records import (
+    Admission,
+    Decision,
+    JoinFile,
+    Keys,
+    NodeTicket,
+    Notice,
+    Offer,
+    ticket_rank,
+    whole_nodes,
+)
 
 POLL_S = 0.2  # how often a member looks for tickets
 MARGIN = 3  # steps on that a member promises; it waits for the others' promises one step before its own
@@ -60,8 +70,9 @@ class Admissions:
             self.membership.store.set(self.keys.closed(), "1")
 
     def _look(self, store: Any) -> bool:
-        """In the watcher thread: a ticket not yet admitted makes this rank promise (once per admission)."""
-        if self._promise is not None or int(store.add(self.keys.tickets(), 0)) <= self.admitted:
+        """In the watcher thread: a ticket not yet admitted makes this rank promise (once per admission); where nodes
+        join whole, a node whose every process has its ticket."""
+        if self._promise is not None or self._waiting(store) <= self.admitted:
             return False
         with self._lock:
             self._promise = promise = self.promise(self._at)
@@ -94,7 +105,7 @@ class Admissions:
                 return None
             m.store.wait(keys, datetime.timedelta(seconds=self.wait_s))
             at = max(int(value) for value in m.store.multi_get(keys))
-            tickets = int(m.store.add(self.keys.tickets(), 0))
+            tickets = self._waiting(m.store)
             self.decision = Decision.read(m.propose(Keys.decision(round_), Decision(at, tickets).wire()))
             self._prepare(self.decision)
         if step < self.decision.at:
@@ -102,6 +113,17 @@ class Admissions:
         if step > self.decision.at:
             raise RuntimeError(f"rank {m.rank} is at step {step}, past the agreed admission step {self.decision.at}")
         return self.decision
+
+    def _waiting(self, store: Any) -> int:
+        """The tickets an admission now would admit up to: all of them, or, where nodes join whole (node scope),
+        those of the nodes all of whose processes have theirs (:func:`whole_nodes`)."""
+        tickets = int(store.add(self.keys.tickets(), 0))
+        if not self.membership.whole_nodes or tickets <= self.admitted:
+            return tickets
+        told = [self.keys.node(t) for t in range(self.admitted + 1, tickets + 1)]
+        if not store.check(told):  # (a ticket taken, its node not yet written)
+            return self.admitted
+        return whole_nodes(self.admitted, [NodeTicket.read(value) for value in store.multi_get(told)])
 
     def _prepare(self, decision: Decision) -> None:
         """Once this rank knows the admission: form the group it will have in the background (each joiner learns of
@@ -142,13 +164,21 @@ class Admissions:
         ids = {t: ticket_rank(m.initial_size, t) for t in self.tickets(decision)}
         return {r: m.store.get(self.keys.host(t)).decode() for t, r in ids.items()}
 
+    def nodes(self, decision: Decision) -> dict[int, str]:
+        """The ids admitted by ``decision``, each with its node's name (written with its ticket)."""
+        m = self.membership
+        ids = {t: ticket_rank(m.initial_size, t) for t in self.tickets(decision)}
+        return {r: NodeTicket.read(m.store.get(self.keys.node(t))).node for t, r in ids.items()}
+
     def announce(self, decision: Decision, joiners: dict[int, str]) -> Admission:
         """Write each ticket's admission: the members' view just before it (the first writer's, for all)."""
         m = self.membership
         inline = self.inline.get(m.generation, False)
         # (formed here: formed on all of them; not after a collective on it failed, where it may be broken)
         ahead = m.ready(self.after(joiners)) and inline is not None
-        record = Admission(m.view(), joiners, decision.at, self.rounds + 1, decision.tickets, ahead, bool(inline))
+        record = Admission(
+            m.view(), joiners, decision.at, self.rounds + 1, decision.tickets, ahead, bool(inline), self.nodes(decision)
+        )
         for t in self.tickets(decision):
             record = Admission.read(m.store.compare_set(self.keys.admission(t), "", record.wire()))
         return record

@@ -177,7 +177,7 @@ class Surviving:
         record = admissions.announce(decision, joiners)
         ahead = record.ahead and record.generation == m.generation  # (not where a loss came in between)
         if not any(change.added == sorted(joiners) for change in m.changes):  # (redone: admitted once is enough)
-            m.admit(list(joiners), joiners, ahead=ahead)
+            m.admit(list(joiners), joiners, ahead=ahead, nodes=record.nodes)
         group_s = lap()
         if m.rank == sender(m, joiners):
             parts = split(state, host.sync.late_shared_state)

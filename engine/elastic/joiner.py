@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from distributed.membership import LeftRun, Membership
-from distributed.world import nccl_environment
+from distributed.world import nccl_environment, node_name
 from engine.elastic.admissions import POLL_S
 from engine.elastic.face import Host, Resize, Surviving, sender
 from engine.elastic.guard import SurvivingGuard
 from engine.elastic.handover import Receiving, receive_advance
 from engine.elastic.positions import Phase, Site
-from engine.elastic.records import Admission, JoinFile, Keys, Notice, Offer, ticket_rank
+from engine.elastic.records import Admission, JoinFile, Keys, NodeTicket, Notice, Offer, ticket_rank
 
 
 def joiner_membership(run_dir: str, hang_timeout_s: float, timeout_s: float) -> Membership:
@@ -75,6 +75,9 @@ class Request:
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         self.ticket = int(m.store.add(self.keys.tickets(), 1))
         m.store.set(self.keys.host(self.ticket), host)
+        # (at node scope a node joins whole: how many processes its launcher starts there)
+        processes = int(os.environ.get("RELAXSYNC_NODE_SIZE") or os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        m.store.set(self.keys.node(self.ticket), NodeTicket(node_name(), processes).wire())
         self.asked_at = time.time()
         return ticket_rank(m.initial_size, self.ticket)
 
@@ -167,7 +170,7 @@ class Joiner(Surviving):
         m = self.membership
         if m.rank not in m.ranks:
             m.enter(record.view)
-            m.admit(list(record.added), record.added, ahead=record.ahead)
+            m.admit(list(record.added), record.added, ahead=record.ahead, nodes=record.nodes)
         receiving = Receiving(m, sender(m, record.added))
         first = receiving.first()
         if record.inline and self.averaged_at != record.generation:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from distributed.membership import Membership
@@ -60,6 +60,10 @@ class Keys:
     # ---- a ticket's: what its joiner reads or writes
     def host(self, ticket: int) -> str:
         return self.key(f"ticket/{ticket}/host")
+
+    def node(self, ticket: int) -> str:
+        """The joiner's node: its name and how many processes it starts (``NodeTicket``)."""
+        return self.key(f"ticket/{ticket}/node")
 
     def notice(self, ticket: int) -> str:
         """The admission is agreed: the :class:`Notice` of the group to form ahead."""
@@ -169,6 +173,35 @@ class Offer:
 
 
 @dataclass(frozen=True)
+class NodeTicket:
+    """What a joiner says of its node with its ticket: the node's name and how many processes it starts there."""
+
+    node: str
+    processes: int
+
+    def wire(self) -> str:
+        return json.dumps({"node": self.node, "processes": self.processes})
+
+    @classmethod
+    def read(cls, wire: str | bytes) -> NodeTicket:
+        return cls(**json.loads(wire))
+
+
+def whole_nodes(admitted: int, tickets: list[NodeTicket]) -> int:
+    """How many tickets may be admitted where nodes join whole (node scope): the most, counted from ticket
+    ``admitted + 1`` (``tickets[0]``) on, such that every node they name has all its processes among them
+    (``admitted`` where none has yet)."""
+    for last in range(len(tickets), 0, -1):
+        taken = tickets[:last]
+        counts: dict[str, int] = {}
+        for t in taken:
+            counts[t.node] = counts.get(t.node, 0) + 1
+        if all(counts[t.node] == t.processes for t in taken):
+            return admitted + last
+    return admitted
+
+
+@dataclass(frozen=True)
 class Admission:
     """What the members write to each ticket at the admission step (the first writer's, for all)."""
 
@@ -179,6 +212,7 @@ class Admission:
     admitted: int  # tickets admitted with this one
     ahead: bool  # the new group was formed ahead, on every party
     inline: bool  # the joiners took the model's averaged tensors in the averaging of the admission step
+    nodes: dict[int, str] = field(default_factory=dict)  # the ids admitted, each with its node's name
 
     @property
     def generation(self) -> int:
@@ -188,10 +222,12 @@ class Admission:
     def wire(self) -> str:
         added = {str(r): host for r, host in self.added.items()}
         record = {"added": added, "at": self.at, "round": self.round, "admitted": self.admitted}
-        return json.dumps({**record, "ahead": self.ahead, "inline": self.inline, "view": self.view})
+        nodes = {str(r): node for r, node in self.nodes.items()}
+        return json.dumps({**record, "ahead": self.ahead, "inline": self.inline, "view": self.view, "nodes": nodes})
 
     @classmethod
     def read(cls, wire: str | bytes) -> Admission:
         r = json.loads(wire)
         added = {int(rank): host for rank, host in r["added"].items()}
-        return cls(r["view"], added, r["at"], r["round"], r["admitted"], r["ahead"], r["inline"])
+        nodes = {int(rank): node for rank, node in r.get("nodes", {}).items()}
+        return cls(r["view"], added, r["at"], r["round"], r["admitted"], r["ahead"], r["inline"], nodes)
