@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-full test-gpu apex bench-gpu chaos lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-soak bench-tta bench-membership bench-peers peers clean
+.PHONY: help venv train test test-full test-gpu apex bench-gpu chaos lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-nodes bench-faults bench-soak bench-tta bench-membership bench-peers peers clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -58,7 +58,7 @@ format: $(STAMP) ## ruff format + autofix
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-faults bench-soak bench-tta bench-membership bench-peers ## run every benchmark (results: docs/benchmarks/)
+bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-nodes bench-faults bench-soak bench-tta bench-membership bench-peers ## run every benchmark (results: docs/benchmarks/)
 
 bench-gpu: $(STAMP) ## on a GPU: train.py vs a plain torch loop (img/s), the loader's rate, NCCL recoveries (--smoke: CPU)
 	$(PY) -m bench.gpu $(ARGS)
@@ -86,6 +86,9 @@ bench-diloco: $(STAMP) ## DiLoCo (H sweep) and streaming DiLoCo vs allreduce and
 
 bench-network: $(STAMP) ## every algorithm on emulated slow links, multi-node torchrun (root; ~25 min)
 	$(PY) -m bench.network $(ARGS)
+
+bench-nodes: $(STAMP) ## (root) nodes of 2 processes: bytes on each node's link, sync.scope=node vs process vs 1 per node
+	$(PY) -m bench.nodes $(ARGS)
 
 bench-faults: $(STAMP) ## (root) a dead node, a hung one, SIGTERM, a node joining, vs torchrun's restart: recovery s, lost steps
 	$(PY) -m bench.faults $(ARGS)

@@ -246,7 +246,9 @@ class DGC(SyncAlgorithm):
         if sparsity is None:
             self._commit(dense_u)
             sent_bytes = 2 * (n - 1) / n * 4 * flat.numel()
-            metrics = {"sparsity": 0.0, "density": 1.0, "compress_s": 0.0, "compression": dense_bytes / sent_bytes}
+            metrics = {"sparsity": 0.0, "density": 1.0, "compress_s": 0.0}
+            if sent_bytes:  # (a rank alone, after losses, sends nothing: no ratio)
+                metrics["compression"] = dense_bytes / sent_bytes
             return SyncReport(compute_end=compute_end, metrics=metrics)
 
         # 2) Compressed tensors: momentum correction, accumulation, selection, sparse allgather.
@@ -275,8 +277,9 @@ class DGC(SyncAlgorithm):
             "sparsity": sparsity,
             "density": (sent + dense_numel) / self.num_params,  # fraction of all gradient entries sent
             "compress_s": compress_s,
-            "compression": dense_bytes / sent_bytes,  # vs dense allreduce of every gradient
         }
+        if sent_bytes:  # (a rank alone, after losses, sends nothing: no ratio)
+            metrics["compression"] = dense_bytes / sent_bytes  # vs dense allreduce of every gradient
         return SyncReport(compute_end=compute_end, metrics=metrics)
 
     def accumulate_and_select(

@@ -26,6 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from algorithms.base import StepResult, SyncAlgorithm, SyncContext, SyncReport, Wrapper
@@ -56,6 +57,42 @@ class NodeScope(Wrapper):
         node_ctx = SyncContext(self.comm, self.view, ctx.device, ctx.replicas_agree)  # type: ignore[arg-type]
         self.inner.setup(model, optimizer, node_ctx)
         self.in_backward = in_backward(type(exchange_of(self.inner)))
+        self._own: dict[str, Any] | None = None  # this process's own state as loaded, until the node agrees on one
+        self._settled = False
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        self._own = state  # (taken at the first hook: _settle)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        return self._own if self._own is not None else self.inner.local_state_dict()  # (before _settle: as loaded)
+
+    def _settle(self) -> None:
+        """Once after setup, at the first hook (every process of the node is there): the node's processes take one
+        own state, the first of theirs that loaded one. The same where the checkpoint was written at node scope
+        (they saved the same); where it was not (another scope, or another grouping of ranks into nodes), one
+        process's residuals or momenta become the node's, so that the node is one replica from its first step."""
+        if self._settled:
+            return
+        self._settled = True
+        had = torch.tensor([int(self._own is not None)], dtype=torch.int32, device=self.comm.device)
+        had = self.comm.gather_in_node(had).cpu()
+        first = next((i for i, flag in enumerate(had.reshape(-1).tolist()) if flag), None)
+        if first is None:
+            return
+        shared = [self._own if self.view.local_index == first else None]
+        if self.view.local_size > 1:
+            owner = self.view.membership.node_ranks()[first]
+            dist.broadcast_object_list(shared, src=owner, group=self.comm.node_group, device=self.comm.device)
+        self.inner.load_local_state_dict(shared[0])
+        self._own = None
+
+    def on_epoch_start(self, epoch: int) -> SyncReport:
+        self._settle()
+        return self.inner.on_epoch_start(epoch)
+
+    def before_step(self, step: int) -> SyncReport:
+        self._settle()
+        return self.inner.before_step(step)
 
     def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
         if self.in_backward:  # (DDP over the node's processes averaged them there, and across nodes by its hook)

@@ -62,11 +62,13 @@ def train(section: dict[str, Any], rank: int, nodes: list[str], micros: list[int
     return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
 
 
-def run(rank: int, world: int, init: str, cases: dict[str, dict[str, Any]], out: str) -> None:
-    """In a spawned process of a world of ``world`` (4: 2 nodes x 2 processes; 2: a process per node): every case's
-    final parameters, saved by each rank in ``out``."""
+def run(index: int, stores: str, cases: dict[str, dict[str, dict[str, Any]]], out: str) -> None:
+    """Process ``index`` of 6: the first 4 a world of 2 nodes x 2 processes (``cases["node"]``), the last 2 a world
+    of a process per node (``cases["process"]``); each saves every case's final parameters in ``out``."""
+    world, rank = (4, index) if index < 4 else (2, index - 4)
+    cases = cases["node" if world == 4 else "process"]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{stores}/world{world}", rank=rank, world_size=world)
     if world == 4:
         nodes, micros, node = ["a", "a", "b", "b"], [rank % 2], rank // 2
     else:

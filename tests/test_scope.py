@@ -40,21 +40,22 @@ CASES = {
 }  # fmt: skip
 
 
-def _sections(scope: str) -> dict[str, dict]:
-    common = ["trainer.device=cpu", "trainer.nproc=4", f"sync.scope={scope}"]
-    return {name: plain_cfg(*overrides, *common)["sync"] for name, overrides in CASES.items()}
-
-
-def _world(size: int, cases: dict[str, dict], out: str) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(run, args=(size, f"file://{tmp}/store", cases, out), nprocs=size, start_method="spawn")
+def _sections() -> dict[str, dict[str, dict]]:
+    """Each case's sync section at each scope."""
+    sections = {
+        name: plain_cfg(*overrides, "trainer.device=cpu", "trainer.nproc=4")["sync"]
+        for name, overrides in CASES.items()
+    }
+    return {scope: {name: {**s, "scope": scope} for name, s in sections.items()} for scope in ("node", "process")}
 
 
 @pytest.fixture(scope="module")
 def runs():
-    with tempfile.TemporaryDirectory() as out:
-        _world(4, _sections("node"), out)
-        _world(2, _sections("process"), out)
+    from engine.launch import start_worker_server
+
+    start_worker_server()  # (the launcher's: its processes have torch and the engine imported already)
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as stores:
+        mp.start_processes(run, args=(stores, _sections(), out), nprocs=6, start_method="forkserver")
         yield {(world, rank): torch.load(f"{out}/{world}-{rank}.pt") for world, rank in
                [(4, 0), (4, 1), (4, 2), (4, 3), (2, 0), (2, 1)]}  # fmt: skip
 
@@ -199,12 +200,15 @@ def test_a_node_of_two_processes_joins_two_nodes_whole_without_stopping_them(tmp
     from test_joins import MEMBERS, _join_file
 
     run_dir = tmp_path / "run"
-    nodes = start_nodes(2, run_dir, *MEMBERS, procs=2)
+    # (paced: 4 epochs of 24 steps at >= 0.25 s each, so that the run still trains when the joiner has started)
+    pace = ["trainer.epochs=4", "straggler=sleep", "straggler.ranks=[0,1,2,3]", "straggler.start_epoch=1",
+            "straggler.sleep_s=0.25"]  # fmt: skip
+    nodes = start_nodes(2, run_dir, *MEMBERS, *pace, procs=2)
     _join_file(run_dir)
     wait_for_train_steps(run_dir, 4)
     log = open(tmp_path / "run-node2.log", "w")
     joiner = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *MEMBERS, "trainer.join=true", f"trainer.run_dir={run_dir}",
+        [sys.executable, str(ROOT / "train.py"), *MEMBERS, *pace, "trainer.join=true", f"trainer.run_dir={run_dir}",
          "trainer.nproc=2"],
         cwd=ROOT, env=dict(env(), OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
