@@ -150,12 +150,23 @@ def test_relaxed_sync_evicts_a_node_slowed_by_one_of_its_processes(tmp_path):
     assert summary["replica_spread"] == 0.0 and summary["top1"] > 30.0
 
 
-NODE_KILL = {"allreduce": [], "localsgd": ["sync.k_steps=4"], "dgc": ["sync.min_compress_numel=1024"]}
+NODE_KILL = {  # every option, with settings that make its state matter within the run
+    "allreduce": ["sync=allreduce"],
+    "powersgd": ["sync=powersgd", "sync.start_powerSGD_iter=2"],
+    "dgc": ["sync=dgc", "sync.min_compress_numel=1024"],
+    "localsgd": ["sync=localsgd", "sync.k_steps=4"],
+    "adaptive_localsgd": ["sync=adaptive_localsgd", "sync.init_k_steps=4"],
+    "diloco": ["sync=diloco", "sync.inner_steps=4"],
+    "streaming_diloco": ["sync=diloco", "sync.inner_steps=8", "sync.fragments=2", "sync.delay=1", "sync.quantize=int8"],
+    "sgp": ["sync=sgp", "sync.overlap=true"],
+    "crossover": ["sync=crossover"],
+    "relaxed": ["sync=relaxed", "sync@sync.inner=localsgd", "sync.check_every=4", "sync.relaxed_sync_threshold=-1"],
+}
 
 
 @pytest.mark.parametrize(
-    "sync", ["allreduce", pytest.param("localsgd", marks=pytest.mark.full), pytest.param("dgc", marks=pytest.mark.full)]
-)
+    "sync", [s if s == "allreduce" else pytest.param(s, marks=pytest.mark.full) for s in NODE_KILL]
+)  # (make test: allreduce, whose in-backward exchange is the most entangled with a loss; the rest in test-full)
 def test_a_whole_node_killed_leaves_and_the_other_node_finishes_with_every_step_once(tmp_path, sync):
     """2 torchrun agents on this machine, 2 workers each, at node scope; node 1's agent and both its workers
     ``kill -9``ed between two steps: node 0 agrees that its peers died, regroups as a node alone and finishes,
@@ -164,7 +175,7 @@ def test_a_whole_node_killed_leaves_and_the_other_node_finishes_with_every_step_
 
     run_dir = tmp_path / "run"
     pace = ["straggler=sleep", "straggler.ranks=[3]", "straggler.start_epoch=1", "straggler.sleep_s=0.3"]
-    nodes = start_nodes(2, run_dir, *SHRINK, f"sync={sync}", *NODE_KILL[sync], *pace, procs=2)
+    nodes = start_nodes(2, run_dir, *SHRINK, *NODE_KILL[sync], *pace, procs=2)
     wait_for_train_steps(run_dir, 8)
     victim = nodes[1]
     workers = workers_of(victim)
