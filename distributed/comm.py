@@ -47,6 +47,7 @@ class CommCounts:
     bytes_sent: float = 0.0  # modeled wire bytes (see the module docstring)
     payload_bytes: float = 0.0  # bytes of tensors handed to collectives
     comm_s: float = 0.0
+    node_bytes: float = 0.0  # at node scope, modeled bytes between the processes of a node (its fast link)
 
     def add(self, bytes_sent: float, payload_bytes: float, seconds: float) -> None:
         self.bytes_sent += bytes_sent
@@ -131,6 +132,14 @@ class Communicator:
             return
         self._step.add(bytes_sent, payload_bytes, seconds)
         self.totals.add(bytes_sent, payload_bytes, seconds)
+
+    def record_in_node(self, nbytes: float, seconds: float) -> None:
+        """Count traffic that stays within a node (node scope: ``distributed/nodes.py``), apart from ``bytes_sent``."""
+        if self._side:
+            return
+        for counts in (self._step, self.totals):
+            counts.node_bytes += nbytes
+            counts.comm_s += seconds
 
     def record_allreduce(self, nbytes: int, seconds: float, size: int | None = None) -> None:
         """Count an allreduce issued elsewhere (DDP's comm hook), or over a subgroup of ``size`` ranks."""

@@ -120,7 +120,7 @@ class NodeCommunicator(Communicator):
     """Counted collectives among the active nodes (:class:`NodeView`) on tensors each node holds alike on its
     ranks, each process carrying 1/L of them across nodes (the module docstring). Counts go to ``base``, the
     process's own communicator, which the trainer reads: ``bytes_sent`` is what crosses between nodes (per process),
-    and what stays in a node is counted apart (:attr:`node_bytes`)."""
+    and what stays in a node is counted apart (``node_bytes``)."""
 
     def __init__(self, base: Communicator, view: NodeView):
         super().__init__(view, base.clock)  # type: ignore[arg-type]
@@ -128,7 +128,6 @@ class NodeCommunicator(Communicator):
         self._generation: int | None = None
         self.node_group: Any = None  # the active ranks of this node (a group of one where it has one process)
         self.cross_group: Any = None  # this local index's rank of every active node (None: one node)
-        self.node_bytes = 0.0
         self._buckets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (padded, share, bucket) in flight
         self._solo: tuple[int | None, Any] | None = None  # (generation, a group of this process alone)
 
@@ -154,8 +153,8 @@ class NodeCommunicator(Communicator):
             work = dist.all_reduce(tensor, op=op, group=self.node_group, async_op=True)
             self.membership.wait([work])
             local = self.view.local_size
-            self.node_bytes += 2 * (local - 1) * tensor_bytes(tensor) / local
-            self.base.record(0.0, 0.0, self._issued([work], time.perf_counter() - start))
+            seconds = self._issued([work], time.perf_counter() - start)
+            self.base.record_in_node(2 * (local - 1) * tensor_bytes(tensor) / local, seconds)
         return tensor
 
     def gather_in_node(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -174,8 +173,8 @@ class NodeCommunicator(Communicator):
         parts = list(into.reshape(self.view.local_size, -1).unbind(0))
         work = dist.all_gather(parts, share.reshape(-1), group=self.node_group, async_op=True)
         self.membership.wait([work])
-        self.node_bytes += (self.view.local_size - 1) * tensor_bytes(share)
-        self.base.record(0.0, 0.0, self._issued([work], time.perf_counter() - start))
+        seconds = self._issued([work], time.perf_counter() - start)
+        self.base.record_in_node((self.view.local_size - 1) * tensor_bytes(share), seconds)
 
     def _padded(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``tensor`` flat, padded to L equal chunks; this process's chunk (a view) and the chunk's length."""
@@ -254,8 +253,8 @@ class NodeCommunicator(Communicator):
             start = time.perf_counter()
             work = dist.broadcast(buffer, src=owner, group=self.node_group, async_op=True)
             self.membership.wait([work])
-            self.node_bytes += tensor_bytes(buffer) / self.view.local_size
-            self.base.record(0.0, 0.0, self._issued([work], time.perf_counter() - start))
+            seconds = self._issued([work], time.perf_counter() - start)
+            self.base.record_in_node(tensor_bytes(buffer) / self.view.local_size, seconds)
 
     # ---- accounting: the process's communicator's ---------------------------------------------------------------
     @property

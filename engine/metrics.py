@@ -189,6 +189,8 @@ class Recorder:
             "data_s": result.data_s,
             "step_s": step_s,
         }
+        if counts.node_bytes:  # (node scope: traffic between a node's processes, on its fast link)
+            record["node_bytes"] = counts.node_bytes
         if self.netdev is not None:
             record["wire_bytes"] = self.netdev.delta()  # this node's own, not a mean over ranks
         if not result.stepped:

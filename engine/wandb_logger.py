@@ -15,7 +15,7 @@ from engine.summary import shown
 from errors import ConfigError, require
 
 # Train-record keys that W&B files under comm/ rather than train/ (summary totals stay under summary/).
-COMM_KEYS = ("bytes_sent", "payload_bytes", "comm_s", "wire_bytes")
+COMM_KEYS = ("bytes_sent", "payload_bytes", "comm_s", "wire_bytes", "node_bytes")
 
 
 def wandb_keys(record: dict[str, Any], lists: bool = False) -> dict[str, Any]:
