@@ -2,7 +2,7 @@
 
 On a cluster the slow link is between nodes; the processes of one node (its GPUs) reach each other over a link one
 or two orders of magnitude faster. At node scope (``sync.scope=node``) the processes of a node agree on their
-gradients every step over that fast link (``algorithms/scope.py``), so they hold one replica between them, and the
+gradients every step over that fast link (``engine/scope.py``), so they hold one replica between them, and the
 algorithm runs as if each node were one process with the node's whole batch: its ``ctx.membership`` is a
 :class:`NodeView` (its ranks are the active nodes) and its ``ctx.comm`` a :class:`NodeCommunicator`.
 

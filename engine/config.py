@@ -16,8 +16,8 @@ from typing import Any
 
 from hydra.utils import get_object
 
-from algorithms.scope import validate_scope
 from engine.launchers import slurm_task, under_external_launcher
+from engine.scope import validate_scope
 from errors import ConfigError
 from errors import is_int as _is_int
 from errors import is_number as _is_num

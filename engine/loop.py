@@ -18,7 +18,6 @@ from hydra.utils import instantiate
 from torch import nn
 
 from algorithms.base import StepResult, SyncContext, SyncReport
-from algorithms.scope import build_sync
 from data.common import Loaders, build_data
 from distributed.clock import build_clock
 from distributed.comm import Communicator
@@ -32,6 +31,7 @@ from engine.evaluate import Evaluation, Evaluator, reached_target
 from engine.metrics import NoLogger, Recorder, progress_bar
 from engine.optim import build_replica, build_schedule, rehearse
 from engine.reports import carry_out
+from engine.scope import build_sync
 from engine.state import LoopState, RunState, load_replica, load_trainer_state, trainer_state
 from engine.stop import StopRequest
 from engine.summary import banner

@@ -29,9 +29,9 @@ def model() -> nn.Module:
 def train(section: dict[str, Any], rank: int, nodes: list[str], micros: list[int], node: int) -> torch.Tensor:
     """One option for :data:`STEPS` steps on this process; its parameters at the end, flat."""
     from algorithms.base import StepResult, SyncContext
-    from algorithms.scope import build_sync
     from distributed.comm import Communicator
     from distributed.membership import Membership
+    from engine.scope import build_sync
 
     membership = Membership(rank, len(nodes), nodes=list(nodes))
     net = model()

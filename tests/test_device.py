@@ -24,7 +24,7 @@ import timm
 import torch
 import torch.distributed as dist
 from conftest import CONF_DIR, ROOT, plain_cfg
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class
 from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -41,6 +41,7 @@ from algorithms.base import StepResult, SyncContext, Wrapper
 from distributed.comm import Communicator
 from distributed.membership import Membership
 from engine.optim import build_optimizer
+from engine.scope import build_sync
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -123,7 +124,7 @@ def _sync(cfg: dict, model, optimizer, monkeypatch):
     for cls in (AllReduce, *AllReduce.__subclasses__()):
         monkeypatch.setattr(cls, "_wrap", lambda self, model: model)
     membership = Membership(0, 2)
-    sync = instantiate(cfg["sync"])
+    sync = build_sync(cfg["sync"], membership)  # (two processes, each a node of its own: process scope)
     sync.setup(model, optimizer, SyncContext(Communicator(membership), membership, CUDA))
     return sync
 

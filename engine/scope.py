@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from algorithms.base import StepResult, SyncAlgorithm, SyncContext, SyncReport, Wrapper
 from distributed.membership import Change, Membership
@@ -56,7 +57,8 @@ class NodeScope(Wrapper):
         # (no guests: a process that joins takes its model by transfer)
         node_ctx = SyncContext(self.comm, self.view, ctx.device, ctx.replicas_agree)  # type: ignore[arg-type]
         self.inner.setup(model, optimizer, node_ctx)
-        self.in_backward = in_backward(type(exchange_of(self.inner)))
+        # (DDP, over the node's processes, averages the gradients in backward, and its comm hook across nodes)
+        self.in_backward = isinstance(self.inner.module, DistributedDataParallel)
         self._own: dict[str, Any] | None = None  # this process's own state as loaded, until the node agrees on one
         self._settled = False
 
@@ -124,21 +126,6 @@ class NodeScope(Wrapper):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state)
-
-
-def exchange_of(algorithm: SyncAlgorithm) -> SyncAlgorithm:
-    """The exchange inside any wrappers."""
-    while isinstance(algorithm, Wrapper):
-        algorithm = algorithm.inner
-    return algorithm
-
-
-def in_backward(option: type) -> bool:
-    """Whether ``option`` (an algorithm class) exchanges gradients in DDP's backward hooks (allreduce, PowerSGD): at
-    node scope DDP averages them over the node's processes, and its hook across nodes."""
-    from algorithms.allreduce import AllReduce
-
-    return issubclass(option, AllReduce)
 
 
 def resolve_scope(scope: str, membership: Membership) -> str:
