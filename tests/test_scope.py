@@ -166,9 +166,27 @@ NODE_KILL = {  # every option, with settings that make its state matter within t
 }
 
 
-@pytest.mark.parametrize(
-    "sync", [s if s == "allreduce" else pytest.param(s, marks=pytest.mark.full) for s in NODE_KILL]
-)  # (make test: allreduce, whose in-backward exchange is the most entangled with a loss; the rest in test-full)
+# Found by this test, not yet survived (issue 41 is open on them): with one node left, SGP's topology divides by
+# zero (the same with one process left at process scope); PowerSGD's recovery fails inside its hook's callbacks;
+# crossover's survivors stop after agreeing on the loss.
+NOT_YET = {
+    "sgp": "SGP's topology of one member divides by zero",
+    "powersgd": "PowerSGD's hook fails again in the recovery",
+    "crossover": "crossover's survivors stop after the agreement",
+}
+
+
+def _kill_case(sync: str):
+    if sync == "allreduce":
+        return sync
+    marks = [pytest.mark.full]
+    if sync in NOT_YET:
+        marks.append(pytest.mark.xfail(strict=True, reason=NOT_YET[sync]))
+    return pytest.param(sync, marks=marks)
+
+
+# (make test: allreduce, whose in-backward exchange is the most entangled with a loss; the rest in test-full)
+@pytest.mark.parametrize("sync", [_kill_case(s) for s in NODE_KILL])
 def test_a_whole_node_killed_leaves_and_the_other_node_finishes_with_every_step_once(tmp_path, sync):
     """2 torchrun agents on this machine, 2 workers each, at node scope; node 1's agent and both its workers
     ``kill -9``ed between two steps: node 0 agrees that its peers died, regroups as a node alone and finishes,
