@@ -207,7 +207,13 @@ def test_a_whole_node_killed_leaves_and_the_other_node_finishes_with_every_step_
     os.killpg(victim.pid, signal.SIGKILL)
     for pid, _ in workers:
         os.kill(pid, signal.SIGKILL)
-    metrics = finish([nodes[0]], run_dir)
+    try:
+        metrics = finish([nodes[0]], run_dir)
+    finally:  # (a survivor that never finishes is not left running)
+        if nodes[0].poll() is None:
+            for pid, _ in workers_of(nodes[0]):  # (each in a session of its own)
+                os.kill(pid, signal.SIGKILL)
+            os.killpg(nodes[0].pid, signal.SIGKILL)
     victim.wait()
 
     (world,) = [r for r in records(metrics, "event") if r["event"] == "world"]
