@@ -116,7 +116,7 @@ class Crossover(Gossip):
 
     # ---- the round ---------------------------------------------------------------------------------------------
     def gossip(self, step: int) -> dict[str, Any]:
-        if self.sync_grad:  # the round ran on the gradients in after_backward
+        if self.sync_grad or self.ctx.membership.size == 1:  # (gradients: in after_backward; alone: no peer)
             return {}
         if self.overlap:
             return self._gossip_overlapped(step)
@@ -152,7 +152,7 @@ class Crossover(Gossip):
             self._in_flight.popleft()
 
     def after_backward(self, step: int, grads_finite: bool) -> SyncReport:
-        if not self.sync_grad or step % self.period:
+        if not self.sync_grad or step % self.period or self.ctx.membership.size == 1:  # (alone: no peer)
             return SyncReport(grads_finite=grads_finite)
         params = [p for p in self.model.parameters()]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])

@@ -285,7 +285,7 @@ class Communicator:
         ops = [dist.P2POp(dist.irecv, t, peer, group=self.group) for t, peer in recvs]
         ops += [dist.P2POp(dist.isend, t, peer, group=self.group) for t, peer in sends]
         start = time.perf_counter()
-        works = dist.batch_isend_irecv(ops)
+        works = dist.batch_isend_irecv(ops) if ops else []  # (none: a member alone)
         nbytes = sum(tensor_bytes(x) for x, _ in sends) * mean_fraction
         self.record(nbytes, nbytes, self._issued(works, time.perf_counter() - start))
         return Pending(self, works, [t for t, _ in recvs])

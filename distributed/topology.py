@@ -38,6 +38,8 @@ class ExponentialGraph(Topology):
 
     def _offsets(self, step: int) -> list[int]:
         count = len(self.offsets)
+        if count == 0:  # (a member alone, after losses: no peer to gossip with)
+            return []
         return [self.offsets[(step * self.peers_per_itr + j) % count] for j in range(self.peers_per_itr)]
 
     def out_peers(self, position, step, segment=0):
@@ -51,10 +53,10 @@ class Ring(Topology):
     """Position r sends to r + 1 and receives from r - 1, every step."""
 
     def out_peers(self, position, step, segment=0):
-        return [(position + 1) % self.n]
+        return [(position + 1) % self.n] if self.n > 1 else []
 
     def in_peers(self, position, step, segment=0):
-        return [(position - 1) % self.n]
+        return [(position - 1) % self.n] if self.n > 1 else []
 
 
 class LoadBalancedRandom(Topology):
@@ -68,6 +70,8 @@ class LoadBalancedRandom(Topology):
         self._cache: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
 
     def permutation(self, step: int, segment: int) -> tuple[list[int], list[int]]:
+        if self.n < 2:
+            raise ValueError(f"a permutation without fixed points of {self.n} position(s) does not exist")
         key = (step, segment)
         if key not in self._cache:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 10_007 + segment)
