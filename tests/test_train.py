@@ -76,7 +76,8 @@ def test_allreduce_bytes_world_size_and_wandb_offline(tmp_path):
 
 
 def test_early_stop_resume_and_an_already_finished_run_say_what_happened(tmp_path):
-    args = [*FAST, "data.num_samples=128", "data.num_val_samples=32", "trainer.epochs=2", f"hydra.run.dir={tmp_path}"]
+    args = [*FAST, "trainer.nproc=1", "data.num_samples=64", "data.num_val_samples=16", "trainer.epochs=2"]
+    args.append(f"hydra.run.dir={tmp_path}")
     first = run_cli(*args, "trainer.max_epochs_per_run=1")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "relaxsync: stopped after epoch 1 of 2 (trainer.max_epochs_per_run=1) at step 2; 2 steps in" in first.stdout
