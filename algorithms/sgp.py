@@ -114,6 +114,8 @@ class SGP(Gossip):
     def gossip(self, step: int) -> dict[str, Any]:
         if self.overlap:
             return self._gossip_overlapped(step)
+        if self.ctx.membership.size == 1:  # (alone after losses: no peer, the model is its own average)
+            return {"push_sum_weight": self.weight}
         message, outs, ins = self._message(step)
         received = [torch.empty_like(message) for _ in ins]
         self.ctx.comm.exchange([(message, o) for o in outs], list(zip(received, ins)))
@@ -130,6 +132,8 @@ class SGP(Gossip):
         while self._in_flight and self._in_flight[0].due <= step:
             self._mix(self._in_flight[0])  # (left in flight if its exchange fails: dropped after the regroup)
             self._in_flight.popleft()
+        if self.ctx.membership.size == 1:  # (alone after losses: nothing to send, rounds issued before still land)
+            return {"push_sum_weight": self.weight, "rounds_in_flight": len(self._in_flight)}
         message, outs, ins = self._message(step)
         self.weight *= 1.0 / (len(outs) + 1)  # the share this rank keeps; its model is unchanged
         received = [torch.empty_like(message) for _ in ins]

@@ -240,8 +240,9 @@ class NodeCommunicator(Communicator):
         owner's bytes: the mean over the node's processes."""
         self.levels()
         share = 1.0 / self.view.local_size
-        if self.bucket_owner(index) == self.view.local_index:
-            return (self.cross_group if self.cross_group is not None else self.node_group), share
+        if self.cross_group is not None and self.bucket_owner(index) == self.view.local_index:
+            return self.cross_group, share
+        # (one node left: every process, the owner too, runs it on a group of its own; they agree already)
         if self._solo is None or self._solo[0] != self._generation:
             self._solo = (self._generation, self.view.membership.subgroup([self.view.membership.rank]))
         return self._solo[1], share

@@ -77,3 +77,17 @@ def run(index: int, stores: str, cases: dict[str, dict[str, dict[str, Any]]], ou
     torch.save(results, f"{out}/{world}-{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run_alone(index: int, stores: str, cases: dict[str, dict[str, dict[str, Any]]], out: str) -> None:
+    """What is left after losses, for every option: process 0 of 3 alone in a world of its own (``cases["process"]``,
+    both micro-batches), the other 2 one node alone (``cases["node"]``, a micro-batch each)."""
+    world, rank = (1, 0) if index == 0 else (2, index - 1)
+    cases = cases["process" if world == 1 else "node"]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{stores}/alone{world}", rank=rank, world_size=world)
+    nodes, micros = (["a"], [0, 1]) if world == 1 else (["a", "a"], [rank])
+    results = {name: train(section, rank, nodes, micros, 0) for name, section in cases.items()}
+    torch.save(results, f"{out}/alone{world}-{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()

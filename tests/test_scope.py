@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _scope import run
+from _scope import run, run_alone
 from conftest import ROOT, plain_cfg, records, train
 
 from distributed.membership import Change, Membership
@@ -49,13 +49,24 @@ def _sections() -> dict[str, dict[str, dict]]:
     return {scope: {name: {**s, "scope": scope} for name, s in sections.items()} for scope in ("node", "process")}
 
 
+def _run_all(fn, nprocs: int, args: tuple, timeout_s: float = 300) -> None:
+    """``fn(index, *args)`` in ``nprocs`` processes of the launcher's fork server; a hang fails within ``timeout_s``."""
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver", join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{fn.__name__}: its processes still ran after {timeout_s:.0f} s (a collective waits forever)")
+
+
 @pytest.fixture(scope="module")
 def runs():
     from engine.launch import start_worker_server
 
     start_worker_server()  # (the launcher's: its processes have torch and the engine imported already)
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as stores:
-        mp.start_processes(run, args=(stores, _sections(), out), nprocs=6, start_method="forkserver")
+        _run_all(run, 6, (stores, _sections(), out))
         yield {(world, rank): torch.load(f"{out}/{world}-{rank}.pt") for world, rank in
                [(4, 0), (4, 1), (4, 2), (4, 3), (2, 0), (2, 1)]}  # fmt: skip
 
@@ -70,6 +81,29 @@ def test_two_nodes_of_two_processes_are_two_processes_of_the_node_batch(runs, ca
             f"{(runs[(4, rank)][case] - reference).abs().max():.3g}"
         )
     assert not torch.equal(runs[(2, 0)][case], model_start()), f"{case}: the reference did not train"
+
+
+@pytest.fixture(scope="module")
+def alone():
+    from engine.launch import start_worker_server
+
+    start_worker_server()
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as stores:
+        _run_all(run_alone, 3, (stores, _sections(), out))
+        yield {(world, rank): torch.load(f"{out}/alone{world}-{rank}.pt") for world, rank in [(1, 0), (2, 0), (2, 1)]}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_option_trains_on_when_one_node_or_one_process_is_left(alone, case):
+    """What is left after losses: a process alone, or one node of 2 processes alone at node scope, trains every option
+    on (gossip with nobody to gossip with, a ring of one, a group of one); the node is exactly the process with its
+    batch, as two nodes were above."""
+    for rank in range(2):
+        assert torch.equal(alone[(2, rank)][case], alone[(1, 0)][case]), (
+            f"{case}: rank {rank} of the node alone differs from the process alone by "
+            f"{(alone[(2, rank)][case] - alone[(1, 0)][case]).abs().max():.3g}"
+        )
+    assert torch.isfinite(alone[(1, 0)][case]).all() and not torch.equal(alone[(1, 0)][case], model_start())
 
 
 def model_start() -> torch.Tensor:
@@ -166,22 +200,8 @@ NODE_KILL = {  # every option, with settings that make its state matter within t
 }
 
 
-# Found by this test, not yet survived (issue 41 is open on them): PowerSGD's recovery fails inside its hook's
-# callbacks; SGP alone after the loss reads a peer it no longer has (IndexError). (Crossover failed here too: its
-# topology of one member looked for a pairing forever.)
-NOT_YET = {
-    "powersgd": "PowerSGD's hook fails again in the recovery",
-    "sgp": "SGP alone after the loss reads a peer it no longer has",
-}
-
-
 def _kill_case(sync: str):
-    if sync == "allreduce":
-        return sync
-    marks = [pytest.mark.full]
-    if sync in NOT_YET:
-        marks.append(pytest.mark.xfail(strict=True, reason=NOT_YET[sync]))
-    return pytest.param(sync, marks=marks)
+    return sync if sync == "allreduce" else pytest.param(sync, marks=pytest.mark.full)
 
 
 # (make test: allreduce, whose in-backward exchange is the most entangled with a loss; the rest in test-full)
