@@ -5,6 +5,7 @@ what cost in bytes, on the same runs.
     python -m bench.tta [--scenarios fleet,1gbit,uneven] [--algorithms allreduce,dgc,...] [--relaxed ...]
                         [--target 95] [--eval-every 2] [--epochs 25] [--sweep localsgd1,...] [--sweep-epochs 8]
     python -m bench.tta --report bench/results      # redraw the tables and plots from a run's records
+    python -m bench.tta --nodes 2 --procs 2 --scenarios fleet --sweep ''    # sync.scope=node against process
 
 Every cell is one multi-node torchrun job on the emulated network of ``bench/network`` (one namespace and one
 worker per node), training ``experiment=tta`` (timm's test_resnet on digits at 32 px; docs/benchmarks/tta.md says
@@ -24,6 +25,11 @@ Fleet's local SGD table: local SGD k = 1..16, adaptive, and DiLoCo's H = 8..64 a
 without a target (throughput, steps and seconds to the target, final top-1). Results: bench/results/tta.jsonl
 (one line per run, with its evaluations), tta.md and tta_<scenario>.png (top-1 against training seconds, target
 marked).
+
+``--procs 2`` (processes per node, in the node's namespace): every cell runs twice, at ``sync.scope=node`` and at
+``sync.scope=process``, with the node's batch split among its processes (``data.batch_size`` = 32 / procs, so a
+node trains what one process per node trains); the table gains a column per scope and the comparison of the two.
+Results then go to ``tta_nodes.jsonl`` and ``tta_nodes.md`` (``--name``), beside the one-process-per-node ones.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 DEFAULT_ALGORITHMS = (
     "none,allreduce,powersgd,dgc,localsgd4,localsgd16,adaptive_localsgd,diloco,streaming,sgp_overlap,crossover_overlap"
 )
+SCOPES = ("node", "process")  # (--procs > 1: each cell at both)
+NODE_BATCH = 32  # experiment=tta's batch: one process per node
 DIGITS_TRAIN = 1438  # images in digits' training split (experiment=tta)
 FLEET_SPARSITY = "[0.75,0.9375,0.984375,0.996,0.999]"
 WARMED_UP = {"dgc": "sync", "relaxed_dgc": "sync.inner"}  # the cells that run DGC, and where its section is
@@ -152,7 +160,14 @@ def cells_of(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
             out.append((scenario, key, name, [*overrides, *SCENARIOS[scenario].get("overrides", []), *run]))
     fixed = [f"trainer.epochs={args.sweep_epochs}", "trainer.target_top1=null"]
     out += [("sweep", key, SWEEP[key][0], [*SWEEP[key][1], *fixed]) for key in args.sweep]
-    return out
+    if args.procs == 1:
+        return out
+    per_process = [f"data.batch_size={NODE_BATCH // args.procs}"]
+    return [
+        (scenario, f"{key}@{scope}", f"{name} [{scope}]", [*overrides, *per_process, f"sync.scope={scope}"])
+        for scenario, key, name, overrides in out
+        for scope in SCOPES
+    ]
 
 
 def rates_for(scenario: str, nodes: int) -> list[str]:
@@ -163,7 +178,7 @@ def rates_for(scenario: str, nodes: int) -> list[str]:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    jsonl = out / "tta.jsonl"
+    jsonl = out / f"{args.name}.jsonl"
     jsonl.write_text("")
     workdir = Path(tempfile.mkdtemp(prefix="relaxsync-tta-"))
     rows = []
@@ -178,11 +193,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     net.shape(rates_for(scenario, args.nodes))
                     shaped = scenario
                 print(f"[{time.strftime('%H:%M:%S')}] {scenario:>7}  {name}", flush=True)
-                row = {"scenario": scenario, "algorithm": key, "name": name, "nodes": args.nodes, "target": args.target}
+                row = {"scenario": scenario, "algorithm": key, "name": name, "nodes": args.nodes, "target": args.target,
+                       "procs_per_node": args.procs, "scope": key.partition("@")[2] or "process"}  # fmt: skip
                 try:
                     job = run_job(
-                        net, [*common, *overrides], args.max_steps or 10**9, f"{scenario}-{key}", args.port + i,
-                        workdir, args.cell_timeout,
+                        net, [*common, *overrides], args.max_steps or 10**9, f"{scenario}-{key.replace('@', '-')}",
+                        args.port + i, workdir, args.cell_timeout, procs=args.procs,
                     )  # fmt: skip
                     row.update(time_to_target(job["metrics"], args.target), wall_s=job["wall_s"])
                     world = next(r for r in job["metrics"] if r["kind"] == "event" and r["event"] == "world")
@@ -216,7 +232,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| scenario | " + " | ".join(names.values()) + " |", "|---|" + "---|" * len(names)]
     for scenario in dict.fromkeys(r["scenario"] for r in rows):
         cells = {r["algorithm"]: r for r in rows if r["scenario"] == scenario}
-        base = cells.get("allreduce", {}).get("seconds")
+        base = cells.get("allreduce", cells.get("allreduce@process", {})).get("seconds")
         out = []
         for key in names:
             r = cells.get(key)
@@ -241,12 +257,12 @@ def verdict(cells: list[dict[str, Any]]) -> str:
     reached = sorted((r for r in cells if r.get("reached")), key=lambda r: r["seconds"])
     missed = [r["name"] for r in cells if "error" not in r and not r["reached"]]
     failed = [r["name"] for r in cells if "error" in r]
-    base = next((r["seconds"] for r in reached if r["algorithm"] == "allreduce"), None)
+    base = next((r["seconds"] for r in reached if r["algorithm"] in ("allreduce", "allreduce@process")), None)
     if reached:
         first = reached[0]
         ratio = (
             f", {base / first['seconds']:.1f}x faster than allreduce"
-            if base and first["algorithm"] != "allreduce"
+            if base and first["algorithm"].partition("@")[0] != "allreduce"
             else ""
         )
         text = f"first to the target: {first['name']} ({first['seconds']:.1f} s{ratio})"
@@ -257,6 +273,32 @@ def verdict(cells: list[dict[str, Any]]) -> str:
     if failed:
         text += f"; failed: {', '.join(failed)}"
     return text
+
+
+def scope_table(rows: list[dict[str, Any]]) -> str:
+    """``--procs`` > 1: each algorithm at node scope beside process scope, per scenario: seconds to the target, their
+    ratio, and the MB that node 0 sent on its link (its interface) until then."""
+    rows = [r for r in rows if r.get("procs_per_node", 1) > 1 and r["scenario"] != "sweep"]
+    if not rows:
+        return ""
+    lines = ["| scenario | sync | node scope: s to target | process scope | node / process | MB on node 0's link "
+             "(node / process) |", "|---|---|---|---|---|---|"]  # fmt: skip
+
+    def seconds(r: dict[str, Any] | None) -> str:
+        if r is None or "error" in r:
+            return "failed" if r else ""
+        return f"{r['seconds']:.1f} s ({r['steps']} steps)" if r["reached"] else f"not reached ({r['best_top1']:.1f}%)"
+
+    for scenario in dict.fromkeys(r["scenario"] for r in rows):
+        cells = {r["algorithm"]: r for r in rows if r["scenario"] == scenario}
+        for key in dict.fromkeys(k.partition("@")[0] for k in cells):
+            node, process = cells.get(f"{key}@node"), cells.get(f"{key}@process")
+            both = node and process and node.get("reached") and process.get("reached")
+            ratio = f"{node['seconds'] / process['seconds']:.2f}" if both else ""
+            wire = f"{node['wire_mb_node0']:.1f} / {process['wire_mb_node0']:.1f}" if both else ""
+            name = (node or process)["name"].rsplit(" [", 1)[0]
+            lines.append(f"| {label(scenario)} | {name} | {seconds(node)} | {seconds(process)} | {ratio} | {wire} |")
+    return "\n".join(lines)
 
 
 def sweep_table(rows: list[dict[str, Any]]) -> str:
@@ -278,7 +320,7 @@ def sweep_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+def plot(rows: list[dict[str, Any]], out: Path, name: str = "tta") -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -304,17 +346,17 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
-        path = out / f"tta_{scenario}.png"
+        path = out / f"{name}_{scenario}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         paths.append(path)
     return paths
 
 
-def report(rows: list[dict[str, Any]], out: Path, command: str) -> str:
-    text = "\n\n".join(part for part in (table(rows), sweep_table(rows)) if part)
-    (out / "tta.md").write_text(f"{text}\n\n{command}; {machine()}\n")
-    plot(rows, out)
+def report(rows: list[dict[str, Any]], out: Path, command: str, name: str = "tta") -> str:
+    text = "\n\n".join(part for part in (table(rows), scope_table(rows), sweep_table(rows)) if part)
+    (out / f"{name}.md").write_text(f"{text}\n\n{command}; {machine()}\n")
+    plot(rows, out, name)
     return text
 
 
@@ -333,9 +375,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cell-timeout", type=float, default=900.0, help="seconds before a run counts as failed")
     parser.add_argument("--port", type=int, default=29700)
+    parser.add_argument("--procs", type=int, default=1, help="processes per node (> 1: each cell at both scopes)")
     parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument("--report", metavar="DIR", help="only redraw the table and plots from DIR/tta.jsonl")
+    parser.add_argument("--name", help="the results' file names (default: tta, or tta_nodes with --procs > 1)")
+    parser.add_argument("--report", metavar="DIR", help="only redraw the table and plots from DIR/<name>.jsonl")
     args = parser.parse_args(argv)
+    if args.procs < 1 or NODE_BATCH % args.procs:
+        parser.error(f"--procs={args.procs}: a divisor of the node's batch, {NODE_BATCH}")
+    args.name = args.name or ("tta" if args.procs == 1 else "tta_nodes")
     for flag, value, allowed in (
         ("--scenarios", args.scenarios, SCENARIOS),
         ("--algorithms", args.algorithms, ALGORITHMS),
@@ -356,8 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report:
         out = Path(args.report)
-        rows = [json.loads(line) for line in (out / "tta.jsonl").read_text().splitlines() if line]
-        print(report(rows, out, "python -m bench.tta --report"))
+        rows = [json.loads(line) for line in (out / f"{args.name}.jsonl").read_text().splitlines() if line]
+        print(report(rows, out, "python -m bench.tta --report", args.name))
         return 0
     reason = unavailable()
     if reason:
@@ -370,8 +417,9 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.tta: interrupted; processes stopped and namespaces removed", flush=True)
         return 130
     command = "python -m bench.tta " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(report(rows, Path(args.out), command.strip()))
-    print(f"bench.tta: {(time.perf_counter() - started) / 60:.1f} min; results in {args.out}/tta.jsonl and tta.md")
+    print(report(rows, Path(args.out), command.strip(), args.name))
+    minutes = (time.perf_counter() - started) / 60
+    print(f"bench.tta: {minutes:.1f} min; results in {args.out}/{args.name}.jsonl and {args.name}.md")
     return 0
 
 

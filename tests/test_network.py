@@ -160,6 +160,29 @@ def test_time_to_target_leaves_evaluations_out_of_the_clock_and_counts_bytes_up_
     assert not never["reached"] and never["seconds"] is None and never["mb_per_node"] == pytest.approx(600.0)
 
 
+def test_with_processes_per_node_each_cell_runs_at_both_scopes_with_the_nodes_batch_split():
+    from bench.tta import cells_of, parse_args, scope_table
+
+    args = parse_args(["--nodes", "2", "--procs", "2", "--scenarios", "fleet", "--algorithms", "allreduce,diloco",
+                       "--sweep", ""])  # fmt: skip
+    assert args.name == "tta_nodes"
+    cells = cells_of(args)
+    assert [key for _, key, _, _ in cells] == ["allreduce@node", "allreduce@process", "diloco@node", "diloco@process"]
+    for _, key, _, overrides in cells:
+        assert f"sync.scope={key.partition('@')[2]}" in overrides and "data.batch_size=16" in overrides
+    with pytest.raises(SystemExit):
+        parse_args(["--procs", "3"])  # (32 images a node are not split among 3)
+
+    def row(key: str, seconds: float | None, wire: float) -> dict:
+        return {"scenario": "fleet", "algorithm": key, "name": f"x [{key.partition('@')[2]}]", "procs_per_node": 2,
+                "reached": seconds is not None, "seconds": seconds, "steps": 10, "best_top1": 90.0,
+                "wire_mb_node0": wire}  # fmt: skip
+
+    text = scope_table([row("diloco@node", 3.0, 1.0), row("diloco@process", 6.0, 2.0), row("dgc@node", None, 0)])
+    assert "| (a) 100 Mbit | x | 3.0 s (10 steps) | 6.0 s (10 steps) | 0.50 | 1.0 / 2.0 |" in text
+    assert "| x | not reached (90.0%) |  |  |  |" in text
+
+
 @pytest.mark.full  # ~35 s; make test: the emulated two-node job above and the time-to-target measure's unit test
 @pytest.mark.skipif(REASON is not None, reason=f"network emulation unavailable: {REASON}")
 def test_time_to_accuracy_miniature_two_algorithms_on_two_nodes(tmp_path):
