@@ -10,7 +10,7 @@ peers need nothing more and always run.
 from __future__ import annotations
 
 import pytest
-from conftest import records, train_each
+from conftest import records, train, train_each
 
 from engine.metrics import read_metrics
 
@@ -109,3 +109,42 @@ def test_the_failure_table_gives_each_sides_medians_over_its_runs_and_the_most_s
     assert "| 0.20 (0.30, 0.10, 0.20) | 1 | 0.60 (0.50, 0.70) |" in table and "(1 run(s) failed)" in table
     (failed,) = summary([{"pair": "allreduce", "side": "torchft", "error": "crashed"}])
     assert "failed: crashed" in failure_table([failed])
+
+
+NODES = ["model=test_resnet", "data=digits", "logger=none", "trainer.progress=false", "trainer.checkpoint_every=0",
+         "trainer.max_steps=7", "data.batch_size=16"]  # fmt: skip
+
+
+# HierarchicalModelAverager averages after its steps that its period divides (from warmup_steps on); ours after step
+# begin + k - 1 and every k after: the same steps where begin = 1 (mod k). torchft's LocalSGD: after every k-th.
+HIERARCHICAL = ["sync=localsgd", "sync.begin_step=1", "sync.k_steps=2", "sync.average_buffers=false"]
+
+
+@pytest.mark.full  # ~1 min (8 processes); make test: post_localsgd above (the same worker and hook, one level)
+@pytest.mark.parametrize("peer,sync", [("hierarchical_localsgd", HIERARCHICAL), ("torchft_localsgd", LOCALSGD)])
+def test_nodes_of_two_processes_train_as_ours_at_node_scope(peer, sync, tmp_path):
+    """2 nodes of 2 processes: ours at sync.scope=node beside torchft with a replica group of 2 per node (DDP inside,
+    LocalSGD across) and beside torch's two-level recipe (the post-local-SGD hook over each node's subgroup,
+    HierarchicalModelAverager over every process), the same update.
+
+    torchft's sums are ours (a node's 2 gradients halved then summed, 2 groups' parameters halved then summed): the
+    losses are equal, step for step. Torch's recipe sums 4 quarters where ours sums 2 node halves (step 0's gradient,
+    each averaging): the update after step 0 rounds apart (1e-7 of the loss at step 1 here), and training amplifies
+    it about 20x a step (5e-5 at step 3, 4e-2 at step 6). So its curve is compared up to step 3, the first loss
+    after the first averaging (after step 2): an averaging at another step parts them by more than 1e-2 there."""
+    from bench.peers.launch import run_here
+
+    if peer.startswith("torchft"):
+        pytest.importorskip("torchft", reason="torchft is the peers extra: pip install -r requirements-peers.txt")
+    _, mine = train(tmp_path / "ours", *NODES, *sync, "trainer.nproc=4", "trainer.local_nodes=2",
+                    "sync.scope=node")  # fmt: skip
+    run_here(peer, [*NODES, *sync], tmp_path / "peer", replicas=2, procs=2)
+    theirs = read_metrics(str(tmp_path / "peer" / "metrics.jsonl"))
+    ours_losses, peer_losses = ([r["loss"] for r in records(m, "train")] for m in (mine, theirs))
+    assert len(peer_losses) == 7
+    if peer == "torchft_localsgd":
+        assert peer_losses == ours_losses
+        return
+    assert peer_losses[0] == ours_losses[0]  # (the same model and batch)
+    assert peer_losses[1] == pytest.approx(ours_losses[1], rel=1e-5)  # (one update: its gradient's sum rounded apart)
+    assert peer_losses[:4] == pytest.approx(ours_losses[:4], rel=1e-3)  # (and the first averaging, at the same step)

@@ -3,6 +3,7 @@
     pip install -r requirements-peers.txt && sudo make bench-peers
     python -m bench.peers [--nodes 2,4] [--rates 1gbit,100mbit] [--pairs allreduce,powersgd,localsgd,...]
                           [--warmup 4] [--window 16] [--compare 20]
+    python -m bench.peers --procs 2 --nodes 2 --rates 1gbit --no-failures   # nodes of 2 processes
 
 The job is bench/network's (``experiment=network``: ResNet-10-T on digits at 76 px, batch 32 per node, momentum
 SGD) on its emulated nodes (``bench/netns.py``, one process per node). Each pair is one run of ours
@@ -16,6 +17,11 @@ interface sent per step over the same steps (both counted the same way, by the k
 own), the loss of the first replica at every step, and the top-1 of the replicas' average at the end. Where the
 pair's update is the same math (:data:`PAIRS`), the loss curves are compared over the first ``--compare`` steps.
 Results: bench/results/peers.json and peers.md.
+
+``--procs 2``: nodes of 2 processes (a node's batch of 32 split between them), ours at ``sync.scope=node`` beside
+PyTorch's ``HierarchicalModelAverager`` (gradients averaged in the node every step by the post-local-SGD hook over
+the node's subgroup, parameters over every process each period) and torchft with one replica group of 2 per node
+(DDP inside, LocalSGD or DiLoCo across the groups); results in peers_nodes.json and peers_nodes.md.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ from bench.peers.worker import TORCH_PEERS
 
 POWERSGD = ("sync=powersgd", "sync.start_powerSGD_iter=2")
 LOCALSGD = ["sync=localsgd", "sync.begin_step=0", "sync.k_steps=4", "sync.average_buffers=false"]
+# HierarchicalModelAverager averages after the steps its period divides (from warmup_steps on): ours after step
+# begin + k - 1 and every k after, the same steps where begin = 1 (mod k).
+HIERARCHICAL = ["sync=localsgd", "sync.begin_step=1", "sync.k_steps=4", "sync.average_buffers=false"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,16 @@ PAIRS: dict[str, Pair] = {
         same_math="PeriodicModelAverager(period=4, warmup_steps=3): its first averaging after step 3, as ours",
         period=4,
     ),
+    "hierarchical": Pair(
+        "local SGD k=4",
+        tuple(HIERARCHICAL),
+        "hierarchical_localsgd",
+        "HierarchicalModelAverager",
+        same_math="both average gradients in the node every step (over all processes at step 0) and parameters across "
+        "every process after steps 4, 8, ...; ours sends each node's average once across nodes, torch's averager "
+        "every process's",
+        period=4,
+    ),
     "diloco": Pair(
         "DiLoCo H=16",
         ("sync=diloco", "sync.inner_steps=16", "sync.average_buffers=false"),
@@ -111,6 +130,8 @@ PAIRS: dict[str, Pair] = {
     ),
 }
 FLOOR = ("sync=none",)
+NODE_PAIRS = ("hierarchical", "localsgd", "diloco")  # (--procs > 1: what has a peer with nodes of processes)
+NODE_BATCH = 32  # experiment=network's batch: one process per node
 
 
 @dataclass
@@ -136,13 +157,20 @@ class Jobs:
     def ours(self, net: EmulatedNetwork, cell: Cell, overrides: tuple[str, ...]) -> Callable[[], dict[str, Any]]:
         name, port = self._next(cell)
         a = self.args
-        return lambda: run_job(
-            net, ["experiment=network", *overrides], self.steps, name, port, self.workdir, a.cell_timeout
-        )
+        own = ["experiment=network", *overrides, *per_node(a.procs)]
+        if a.procs > 1:
+            own.append("sync.scope=node")
+        return lambda: run_job(net, own, self.steps, name, port, self.workdir, a.cell_timeout, procs=a.procs)
 
     def peer(self, net: EmulatedNetwork, cell: Cell, pair: Pair) -> Callable[[], dict[str, Any]]:
         name, port = self._next(cell)
-        return lambda: run_peer(net, pair, self.steps, name, port, self.workdir, self.args.cell_timeout)
+        a = self.args
+        return lambda: run_peer(net, pair, self.steps, name, port, self.workdir, a.cell_timeout, a.procs)
+
+
+def per_node(procs: int) -> list[str]:
+    """The node's batch split among its processes."""
+    return [] if procs == 1 else [f"data.batch_size={NODE_BATCH // procs}"]
 
 
 def summary(out: dict[str, Any], warmup: int, window: int) -> dict[str, Any]:
@@ -162,22 +190,31 @@ def summary(out: dict[str, Any], warmup: int, window: int) -> dict[str, Any]:
 
 
 def run_peer(
-    net: EmulatedNetwork, pair: Pair, steps: int, job_id: str, port: int, workdir: Path, timeout_s: float
+    net: EmulatedNetwork,
+    pair: Pair,
+    steps: int,
+    job_id: str,
+    port: int,
+    workdir: Path,
+    timeout_s: float,
+    procs: int = 1,
 ) -> dict[str, Any]:
-    """The peer of ``pair`` on every node of ``net``: one torchrun across them (torch) or one per node and a
-    lighthouse on the first (torchft)."""
+    """The peer of ``pair`` on every node of ``net`` (``procs`` processes each): one torchrun across them (torch) or
+    one per node and a lighthouse on the first (torchft)."""
     run_dir = workdir / job_id
     run_dir.mkdir(parents=True)
     overrides = ["experiment=network", f"trainer.max_steps={steps}", f"trainer.netdev={IFACE}", *pair.overrides]
-    command = launch.worker(pair.peer, run_dir, overrides)
+    command = launch.worker(pair.peer, run_dir, [*overrides, *per_node(procs)])
     if pair.peer in TORCH_PEERS:
-        commands = [[*torchrun(net, node, job_id, port), *command] for node in range(net.nodes)]
+        commands = [[*torchrun(net, node, job_id, port, procs=procs), *command] for node in range(net.nodes)]
         return run_nodes(net, run_dir, commands, [node_env()] * net.nodes, timeout_s)
     at = f"{net.address(0)}:{port + 1}"
     with open(run_dir / "lighthouse.log", "w") as log:  # (stopped with the nodes' processes)
         net.popen(0, launch.lighthouse(net.nodes, at), stdout=log, stderr=subprocess.STDOUT)
     envs = [{**node_env(), **launch.torchft_env(node, net.nodes, at, net.address(node))} for node in range(net.nodes)]
-    commands = [[*torchrun(net, node, f"{job_id}-{node}", port, nnodes=1), *command] for node in range(net.nodes)]
+    commands = [
+        [*torchrun(net, node, f"{job_id}-{node}", port, nnodes=1, procs=procs), *command] for node in range(net.nodes)
+    ]
     return run_nodes(net, run_dir, commands, envs, timeout_s)
 
 
@@ -310,12 +347,12 @@ def each_run(row: dict[str, Any], name: str) -> str:
 
 def report(out: Path, args: argparse.Namespace) -> int:
     """Compare the losses of a finished run's rows again and write its tables (``--compare`` steps)."""
-    result = json.loads((out / "peers.json").read_text())
+    result = json.loads((out / f"{args.name}.json").read_text())
     for row in result["rows"]:
         pair = PAIRS.get(row["pair"])
         if pair is not None and pair.same_math and "ours_over_peer" in row:
             row["agreement"] = agreement(row["ours"]["losses"], row["peer"]["losses"], args.compare)
-    write(out, "peers", result, table(result["rows"], args))
+    write(out, args.name, result, table(result["rows"], args))
     return 0
 
 
@@ -323,7 +360,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", default="2,4", help="node counts, each its own emulated network")
     parser.add_argument("--rates", default="1gbit,100mbit", help="link rates")
-    parser.add_argument("--pairs", default=",".join(PAIRS), help=f"of {', '.join(PAIRS)}")
+    parser.add_argument("--pairs", help=f"of {', '.join(PAIRS)} (default: all; --procs > 1: {','.join(NODE_PAIRS)})")
+    parser.add_argument("--procs", type=int, default=1, help="processes per node (> 1: ours at sync.scope=node)")
     parser.add_argument("--warmup", type=int, default=4, help="steps before the steady state")
     parser.add_argument("--window", type=int, default=16, help="steady-state steps (step time, bytes)")
     parser.add_argument("--compare", type=int, default=20, help="steps whose losses are compared")
@@ -348,7 +386,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     args.nodes = [int(n) for n in args.nodes.split(",") if n]  # (--nodes "": the failure runs alone)
-    args.rates, args.pairs = args.rates.split(","), args.pairs.split(",")
+    if args.procs < 1 or NODE_BATCH % args.procs:
+        parser.error(f"--procs={args.procs}: a divisor of the node's batch, {NODE_BATCH}")
+    args.rates = args.rates.split(",")
+    default = [k for k in PAIRS if k != "hierarchical"] if args.procs == 1 else NODE_PAIRS  # (one level, or two)
+    args.pairs = args.pairs.split(",") if args.pairs else list(default)
+    args.name = "peers" if args.procs == 1 else "peers_nodes"
+    if args.procs > 1 and args.failures:
+        parser.error("--procs > 1: the failure runs have one process per node; add --no-failures")
     unknown = [p for p in args.pairs if p not in PAIRS]
     if unknown:
         parser.error(f"--pairs: {', '.join(unknown)} not one of {', '.join(PAIRS)}")
@@ -397,10 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         result = {
             "benchmark": "peers", **head, "steps": steps, "warmup": args.warmup, "window": args.window,
+            "procs_per_node": args.procs, "scope": "node" if args.procs > 1 else "process",
             "repeats": args.repeats, "wall_s": time.perf_counter() - started,
             "pairs": {k: vars(PAIRS[k]) for k in args.pairs}, "rows": rows,
         }  # fmt: skip
-        write(out, "peers", result, table(rows, args))
+        write(out, args.name, result, table(rows, args))
     if args.failures:
         started = time.perf_counter()
         failed = []

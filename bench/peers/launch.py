@@ -46,22 +46,33 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def run_here(peer: str, overrides: list[str], run_dir: Path, replicas: int, timeout_s: float = 300) -> None:
-    """The peer with ``replicas`` processes on this machine (loopback); raises with the logs' tails if one fails."""
+def run_here(
+    peer: str, overrides: list[str], run_dir: Path, replicas: int, timeout_s: float = 300, procs: int = 1
+) -> None:
+    """The peer with ``replicas`` nodes of ``procs`` processes on this machine (loopback); raises with the logs'
+    tails if one fails."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    command, procs, logs = worker(peer, run_dir, overrides), [], []
-    if peer in TORCH_PEERS:
+    command, running, logs = worker(peer, run_dir, overrides), [], []
+    if peer in TORCH_PEERS and procs == 1:
         launches, helper = [([TORCHRUN, "--standalone", "--nproc-per-node", str(replicas), *command], env)], None
+    elif peer in TORCH_PEERS:  # (one torchrun a node, the first hosting the rendezvous, as on a cluster)
+        (port,), helper = free_ports(1), None
+        launches = [
+            ([TORCHRUN, "--nnodes", str(replicas), "--nproc-per-node", str(procs), "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "peer", "--rdzv-conf", f"is_host={int(i == 0)}",
+              *command], env)
+            for i in range(replicas)
+        ]  # fmt: skip
     else:
         port, *rendezvous = free_ports(1 + replicas)
         bind = f"127.0.0.1:{port}"
         with open(run_dir / "lighthouse.log", "w") as log:
             helper = subprocess.Popen(lighthouse(replicas, bind), stdout=log, stderr=subprocess.STDOUT)
         launches = [
-            ([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            ([TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(procs), "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{rendezvous[i]}", "--rdzv-id", f"replica{i}", *command],
              {**env, **torchft_env(i, replicas, bind, "127.0.0.1")})
             for i in range(replicas)
@@ -70,11 +81,11 @@ def run_here(peer: str, overrides: list[str], run_dir: Path, replicas: int, time
         for i, (cmd, launch_env) in enumerate(launches):
             logs.append(run_dir / f"node{i}.log")
             with open(logs[-1], "w") as log:
-                procs.append(subprocess.Popen(cmd, cwd=ROOT, env=launch_env, stdout=log, stderr=subprocess.STDOUT))
+                running.append(subprocess.Popen(cmd, cwd=ROOT, env=launch_env, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout_s
-        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in running]
     finally:
-        for p in [*procs, *([helper] if helper else [])]:
+        for p in [*running, *([helper] if helper else [])]:
             if p.poll() is None:
                 p.kill()
                 p.wait()

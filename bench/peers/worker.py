@@ -6,10 +6,15 @@ Everything but the sync is built by the functions our trainer builds it with (``
 ``Loaders``), seeded as our trainer seeds it, stepped in the same order (zero_grad, forward, backward, the LR of
 the moment, the optimizer step): a difference in the loss curves is the sync's. PEER is one of :data:`PEERS`.
 Torch's peers run as one torch.distributed world (one torchrun across the nodes); torchft's as one replica
-group per node (a torchrun of one process each) that a lighthouse (``TORCHFT_LIGHTHOUSE``) joins into a quorum,
-as torchft's own examples run. The first replica writes ``RUN_DIR/metrics.jsonl`` in our records' format
-(``kind: train`` per step, with the bytes its node's interface sent; one ``kind: summary`` at the end with the
-top-1 of the replicas' average), so a peer's run reads like ours.
+group per node (a torchrun of the node's processes) that a lighthouse (``TORCHFT_LIGHTHOUSE``) joins into a
+quorum, as torchft's own examples run. With several processes per node (``LOCAL_WORLD_SIZE`` > 1) a torchft replica
+group is the node's processes, their gradients averaged by torch DDP over the group's own process group every step
+(torchft's Manager then runs on local rank r with the r-th process of every other group), and
+``hierarchical_localsgd`` is torch's recipe for two levels: the post-local-SGD hook averaging gradients over the
+node's subgroup every step, and ``HierarchicalModelAverager`` averaging parameters over every process each period.
+The first replica writes ``RUN_DIR/metrics.jsonl`` in our records' format (``kind: train`` per step, with the
+bytes its node's interface sent; one ``kind: summary`` at the end with the top-1 of the replicas' average), so a
+peer's run reads like ours.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from data.common import Loaders, build_data
 from engine.metrics import MetricsWriter, NetdevCounter
 from engine.optim import build_replica
 
-TORCH_PEERS = ("ddp", "ddp_powersgd", "ddp_powersgd_fixed", "post_localsgd")
+TORCH_PEERS = ("ddp", "ddp_powersgd", "ddp_powersgd_fixed", "post_localsgd", "hierarchical_localsgd")
 TORCHFT_PEERS = ("torchft_ddp", "torchft_localsgd", "torchft_diloco")
 PEERS = TORCH_PEERS + TORCHFT_PEERS
 
@@ -72,6 +77,25 @@ class TorchPeer:
             self.ddp.register_comm_hook(state, post.post_localSGD_hook)
             averager = PeriodicModelAverager(period=k, warmup_steps=begin + k - 1)
             self.optimizer = PostLocalSGDOptimizer(optim=optimizer, averager=averager)
+        elif name == "hierarchical_localsgd":
+            from collections import OrderedDict
+
+            from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post
+            from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+                HierarchicalModelAverager,
+            )
+            from torch.distributed.optim import PostLocalSGDOptimizer
+
+            # torchrun numbers a node's processes consecutively: the subgroups of LOCAL_WORLD_SIZE are the nodes.
+            # Gradients over the whole world for the first ``begin`` steps, then over the node's processes every
+            # step; the parameters over every process after each step from begin + k - 1 on that k divides (ours
+            # after step begin + k - 1 and every k after: the same steps where begin = 1 mod k).
+            begin, k = sync["begin_step"], sync["k_steps"]
+            node, _ = dist.new_subgroups(group_size=int(os.environ["LOCAL_WORLD_SIZE"]))
+            state = post.PostLocalSGDState(None, node, start_localSGD_iter=begin, post_local_gradient_allreduce=True)
+            self.ddp.register_comm_hook(state, post.post_localSGD_hook)
+            averager = HierarchicalModelAverager(OrderedDict([(k, self.replicas)]), warmup_steps=begin + k - 1)
+            self.optimizer = PostLocalSGDOptimizer(optim=optimizer, averager=averager)
         self.module = self.ddp
 
     def position(self, step: int) -> int:
@@ -95,12 +119,13 @@ class TorchPeer:
 
 # ---- torchft's -------------------------------------------------------------------------------------------------
 class TorchftPeer:
-    """One replica group of one process: a torchft Manager on the lighthouse, and the algorithm ``name``."""
+    """One replica group (a node's processes): a torchft Manager on the lighthouse, and the algorithm ``name``."""
 
     def __init__(self, name: str, model: nn.Module, optimizer: torch.optim.Optimizer, sync: dict[str, Any]):
         from torchft import Manager, ProcessGroupGloo
 
         self.replica, self.replicas = int(os.environ["PEER_REPLICA"]), int(os.environ["PEER_REPLICAS"])
+        self.local, self.group_size = int(os.environ.get("LOCAL_RANK", 0)), group_size()
         timeout = datetime.timedelta(seconds=float(os.environ.get("PEER_TIMEOUT_S", 60)))
         self.model, self.optimizer, self.name = model, optimizer, name
         self.period = sync.get("inner_steps") if name == "torchft_diloco" else sync.get("k_steps", 1)
@@ -113,8 +138,8 @@ class TorchftPeer:
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timeout,
-            rank=0,
-            world_size=1,
+            rank=self.local,
+            world_size=self.group_size,
             replica_id=f"replica{self.replica}",
             hostname=os.environ.get("PEER_HOST", "localhost"),  # (the node's own address: what the others reach)
             # Our replicas start identical (seeded), the case torchft's docs give init_sync=False for; with True,
@@ -123,6 +148,10 @@ class TorchftPeer:
             init_sync=False,
         )
         self.module: nn.Module = model
+        if self.group_size > 1 and name != "torchft_ddp":  # (the group's processes agree every step: DDP inside)
+            from torch.nn.parallel import DistributedDataParallel as GroupDDP
+
+            self.module = GroupDDP(model, broadcast_buffers=False)
         if name == "torchft_ddp":
             from torchft.ddp import DistributedDataParallel
             from torchft.optim import OptimizerWrapper
@@ -189,8 +218,8 @@ class TorchftPeer:
 
     def evaluate(self, model: nn.Module, loaders: Loaders) -> float:
         if self.name != "torchft_ddp":  # (over the replicas there at the end: some may have left)
-            average(model, self.sum, lambda: self.manager.num_participants())
-            return top1(model, loaders.val, self.sum)
+            average(model, self.sum, lambda: self.manager.num_participants())  # (a group's processes agree)
+            return top1(model, loaders.val, self.sum_all)
         # DDP's replicas agree; some may have left: the BN statistics of those still here, the whole set on each.
         average(model, self.sum, self.manager.num_participants(), buffers_only=True)
         loaders.build(1, 0, train=False)
@@ -203,10 +232,23 @@ class TorchftPeer:
         self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
         self.manager.should_commit()
 
+    def sum_all(self, tensor: torch.Tensor) -> None:
+        """Over every process: the groups' (the same local rank of each), then the group's own."""
+        self.sum(tensor)
+        if self.group_size > 1:
+            dist.all_reduce(tensor)
+
     def close(self) -> None:
         if self.context is not None:
             self.context.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
+        if self.group_size > 1:
+            dist.destroy_process_group()
+
+
+def group_size() -> int:
+    """Processes in this torchft replica group (torchrun's on this node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
 # ---- the loop ---------------------------------------------------------------------------------------------------
@@ -252,8 +294,12 @@ def main(argv: list[str]) -> int:
     if name in TORCH_PEERS:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=t["timeout_s"]))
         replica, replicas = dist.get_rank(), dist.get_world_size()
-    else:
-        replica, replicas = int(os.environ["PEER_REPLICA"]), int(os.environ["PEER_REPLICAS"])
+    else:  # (a process of its group: the data shard of its place among every group's processes)
+        size = group_size()
+        if size > 1:  # (the group's own process group, for DDP inside it)
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=t["timeout_s"]))
+        replica = int(os.environ["PEER_REPLICA"]) * size + int(os.environ.get("LOCAL_RANK", 0))
+        replicas = int(os.environ["PEER_REPLICAS"]) * size
     torch.manual_seed(t["seed"])  # as our trainer: the same initial model on every replica
     data = build_data(cfg["data"])
     batch = cfg["data"]["batch_size"]
