@@ -6,9 +6,12 @@ itself, so the two imports overlap."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -22,9 +25,25 @@ MONITOR_S = 0.1  # how often the agent looks at its workers
 
 
 def start_worker_server() -> None:
-    """Start the fork server (once per process) and let it import the workers' modules in the background."""
+    """Start the fork server (once per process) and let it import the workers' modules in the background; it is
+    stopped when this process exits."""
     multiprocessing.get_context(START_METHOD).set_forkserver_preload(WORKER_PRELOAD)
     multiprocessing.forkserver.ensure_running()
+    atexit.unregister(stop_worker_server)  # (once, however many launches)
+    atexit.register(stop_worker_server)
+
+
+def stop_worker_server() -> None:
+    """End the fork server now, even in the middle of its imports. Left alone, it ends only once its imports are
+    done, and ``python train.py`` with a config error returned that much later: 13 to 21 s after printing the
+    error on a loaded 2-core machine, against about 1 s with the server stopped."""
+    server = multiprocessing.forkserver._forkserver  # (the standard library's one server of this process)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    server._stop()  # (closes its pipe, reaps it and removes its socket)
 
 
 def _local_worker(*args: Any) -> Any:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONF_DIR, compose_cfg, plain_cfg, run_cli
+from conftest import CONF_DIR, ROOT, compose_cfg, plain_cfg, run_cli
 
 from engine.config import prepare
 from errors import ConfigError
@@ -144,6 +147,32 @@ def test_bad_value_stops_before_any_worker(tmp_path):
     assert lines == ["error: trainer.nproc=0: expected an integer >= 1"]
     assert "relaxsync:" not in result.stdout  # the worker banner never printed
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_the_worker_server_is_stopped_at_exit_in_the_middle_of_its_imports(tmp_path):
+    """train.py starts the workers' fork server before it validates, so that their imports overlap; a config error
+    then ends the process while the server still imports. The server is stopped at exit, not left to finish its
+    imports (the command returned only then): here its preload sleeps for 10 minutes, and the process ends at
+    once, the server gone with it."""
+    (tmp_path / "slow_preload.py").write_text("import time\ntime.sleep(600)\n")
+    script = f"""
+import os, sys
+sys.path.insert(0, {str(tmp_path)!r})
+import engine.launch as launch
+launch.WORKER_PRELOAD = ["slow_preload"]
+launch.start_worker_server()
+import multiprocessing.forkserver
+print(multiprocessing.forkserver._forkserver._forkserver_pid, flush=True)
+sys.exit(2)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    server = int(result.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(server, 0)
 
 
 def test_unknown_group_option_lists_the_options(tmp_path):
