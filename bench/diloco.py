@@ -1,6 +1,7 @@
 """DiLoCo's accuracy against allreduce, and its period H beside local SGD's k: ResNet-18 on digits.
 
     python -m bench.diloco [--nprocs 2,4] [--epochs 10,20] [--periods 8,16,32,64] [--out diloco.json]
+    python -m bench.diloco --scopes [--seeds 0,1,2] [--epochs 10]     # sync.scope=node against process
 
 For each world size (same seed, epochs and per-process batch for every algorithm): allreduce; DiLoCo (outer
 Nesterov SGD, lr 0.7, momentum 0.9) at every period H; Streaming DiLoCo (H=32 in 4 fragments, delay 2, int8);
@@ -12,6 +13,11 @@ The default epochs, 10 at 2 processes and 20 at 4, give both world sizes the sam
 period H is counted in steps, so at 4 processes and 10 epochs a run would have only 7 outer steps at H=32, too
 few for the outer momentum to matter (bench/results/diloco.json records that run: streaming DiLoCo 3 points
 behind). Results: bench/results/<out>; read in docs/benchmarks/diloco.md.
+
+``--scopes``: DiLoCo (H=16) and local SGD (k=16) on 2 emulated nodes of 2 processes (``trainer.local_nodes=2``), at
+``sync.scope=node`` (2 replicas, each node's processes agreeing every step) and at ``sync.scope=process`` (4
+replicas), the same global batch and steps, for each seed; validation top-1 after every epoch, the mean over the
+seeds side by side (bench/results/diloco_scope.json; docs/benchmarks/diloco.md, "Nodes or processes").
 """
 
 from __future__ import annotations
@@ -34,6 +40,46 @@ def summarize(metrics: list[dict]) -> dict:
     }
 
 
+SCOPE_RUNS = {
+    "DiLoCo H=16": ["sync=diloco", "sync.inner_steps=16"],
+    "local SGD k=16": ["sync=localsgd", "sync.begin_step=0", "sync.k_steps=16"],
+}
+
+
+def scopes(seeds: list[int], epochs: int, batch_size: int, model: str) -> dict:
+    """Each of :data:`SCOPE_RUNS` at node and at process scope, 2 nodes x 2 processes, for every seed."""
+    results: dict[str, dict[str, list[dict]]] = {}
+    for name, overrides in SCOPE_RUNS.items():
+        for scope in ("node", "process"):
+            for seed in seeds:
+                print(f"running: {name}, sync.scope={scope}, seed {seed}", flush=True)
+                metrics = run([
+                    f"model={model}", "data=digits", f"data.batch_size={batch_size}", "trainer.nproc=4",
+                    "trainer.local_nodes=2", f"trainer.epochs={epochs}", f"trainer.seed={seed}", *overrides,
+                    f"sync.scope={scope}",
+                ])  # fmt: skip
+                evals = [r for r in metrics if r["kind"] == "eval"]
+                row = {**summarize(metrics), "seed": seed, "eval_top1": [r["top1"] for r in evals]}
+                results.setdefault(name, {}).setdefault(scope, []).append(row)
+    return results
+
+
+def scope_table(results: dict) -> str:
+    """Mean top-1 over the seeds after each epoch, node scope beside process scope."""
+    lines = []
+    for name, by_scope in results.items():
+        node, process = (
+            [sum(col) / len(col) for col in zip(*(r["eval_top1"] for r in by_scope[s]))] for s in ("node", "process")
+        )
+        seeds = len(by_scope["node"])
+        lines += [f"\n{name} (mean of {seeds} seeds):\n"]
+        lines += ["| epoch | step | node scope | process scope | node - process |", "|---|---|---|---|---|"]
+        steps_per_epoch = by_scope["node"][0]["steps"] // len(node)
+        for epoch, (a, b) in enumerate(zip(node, process), 1):
+            lines.append(f"| {epoch} | {epoch * steps_per_epoch} | {a:.2f} | {b:.2f} | {a - b:+.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nprocs", default="2,4", help="comma-separated world sizes")
@@ -42,7 +88,22 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--out", default="diloco.json", help="file name under bench/results")
+    parser.add_argument("--scopes", action="store_true", help="node against process scope (2 nodes x 2 processes)")
+    parser.add_argument("--seeds", default="0,1,2", help="--scopes: comma-separated trainer.seed values")
     args = parser.parse_args()
+    if args.scopes:
+        seeds, epochs = [int(s) for s in args.seeds.split(",")], int(args.epochs.split(",")[0])
+        results = scopes(seeds, epochs, args.batch_size, args.model)
+        out = "diloco_scope.json" if args.out == "diloco.json" else args.out
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / out).write_text(json.dumps({
+            "benchmark": "diloco-scope",
+            "command": f"python -m bench.diloco --scopes --seeds {args.seeds} --epochs {epochs} "
+                       f"--batch-size {args.batch_size} --model {args.model}",
+            "nodes": 2, "procs_per_node": 2, "epochs": epochs, "machine": machine(), "results": results,
+        }, indent=1) + "\n")  # fmt: skip
+        print(scope_table(results))
+        return
     nprocs = [int(n) for n in args.nprocs.split(",")]
     epochs = [int(e) for e in args.epochs.split(",")]
     if len(epochs) == 1:
