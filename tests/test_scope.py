@@ -4,6 +4,7 @@ batch (exactly: the same sums in the same order), and the bookkeeping that keeps
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -200,16 +201,23 @@ NODE_KILL = {  # every option, with settings that make its state matter within t
 }
 
 
-def _kill_case(sync: str):
-    return sync if sync == "allreduce" else pytest.param(sync, marks=pytest.mark.full)
+KILL_SEED = int(os.environ.get("CHAOS_SEED", int(time.time() // 86400)))  # (the day's, as tests/test_chaos.py)
 
 
-# (make test: allreduce, whose in-backward exchange is the most entangled with a loss; the rest in test-full)
-@pytest.mark.parametrize("sync", [_kill_case(s) for s in NODE_KILL])
-def test_a_whole_node_killed_leaves_and_the_other_node_finishes_with_every_step_once(tmp_path, sync):
+def _kill_case(sync: str, moment: str):
+    if sync == "allreduce" and moment == "between-steps":
+        return pytest.param(sync, moment)
+    return pytest.param(sync, moment, marks=pytest.mark.full)
+
+
+# (make test: allreduce between two steps, its in-backward exchange the most entangled with a loss; the rest in
+# test-full: every option between two steps and at a moment drawn from the day's seed)
+@pytest.mark.parametrize("sync,moment", [_kill_case(s, m) for s in NODE_KILL for m in ("between-steps", "seeded")])
+def test_a_whole_node_killed_leaves_and_the_other_node_finishes_with_every_step_once(tmp_path, sync, moment):
     """2 torchrun agents on this machine, 2 workers each, at node scope; node 1's agent and both its workers
-    ``kill -9``ed between two steps: node 0 agrees that its peers died, regroups as a node alone and finishes,
-    every step recorded once, its two processes one replica."""
+    ``kill -9``ed between two steps, or at a moment drawn from the day's seed (``CHAOS_SEED`` picks one) within
+    the steps that follow the 8th (in a forward, a backward, an exchange or a wait for one): node 0 agrees that its
+    peers died, regroups as a node alone and finishes, every step recorded once, its two processes one replica."""
     from test_faults import SHRINK, finish, start_nodes, wait_for_train_steps, workers_of
 
     run_dir = tmp_path / "run"
@@ -219,8 +227,12 @@ def test_a_whole_node_killed_leaves_and_the_other_node_finishes_with_every_step_
     victim = nodes[1]
     workers = workers_of(victim)
     assert [rank for _, rank in workers] == [2, 3]
+    if moment == "seeded":
+        delay = random.Random(f"{KILL_SEED}-{sync}").uniform(0.0, 1.5)  # (a few steps of 0.3 s and more)
+        print(f"killing node 1 {delay:.3f} s after step 8 (CHAOS_SEED={KILL_SEED})")
+        time.sleep(delay)
     deadline = time.monotonic() + 30
-    while "nanosleep" not in Path(f"/proc/{workers[1][0]}/wchan").read_text():  # (between two steps)
+    while moment == "between-steps" and "nanosleep" not in Path(f"/proc/{workers[1][0]}/wchan").read_text():
         assert time.monotonic() < deadline, "rank 3 never sleeps"
         time.sleep(0.005)
     os.killpg(victim.pid, signal.SIGKILL)
