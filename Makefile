@@ -30,7 +30,7 @@ train: $(STAMP) ## train ResNet-50 on digits with 2 processes (W&B offline); ext
 	$(PY) train.py $(ARGS)
 
 test: $(STAMP) ## run the test suite (CPU, gloo; what CI runs, ~14.5 min on 2 cores)
-	$(PY) -m pytest -q -m "not full" $(ARGS)
+	$(PY) -m pytest -q -m "not full" --durations=30 $(ARGS)
 
 test-full: $(STAMP) ## the test suite plus the slow tests marked full (each names its cover in make test)
 	$(PY) -m pytest -q $(ARGS)

@@ -66,10 +66,11 @@ def finish(host: Host, train_s: float, spread: Callable[[], Any]) -> dict[str, A
     return summary
 
 
-def close(host: Closing, left: bool = False) -> None:
+def close(host: Closing, left: bool = False, planned: bool = True) -> None:
     """Close files; a rank that ``left`` the run never touches a process group again. After a loss the groups are
-    aborted: destroying one waits for what it queued, on NCCL maybe for the lost rank, forever."""
-    host.elastic.stop()
+    aborted: destroying one waits for what it queued, on NCCL maybe for the lost rank, forever. ``planned``: this
+    process ends on purpose (the others are told; an end on an error is a loss to them)."""
+    host.elastic.stop(planned)
     host.membership.cancel_ahead()  # (after the heartbeat, which prepares them, has stopped)
     host.recorder.close(left)
     if not left and dist.is_initialized():

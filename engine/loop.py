@@ -296,6 +296,6 @@ class Trainer:
         if self.checkpointer.save_stateful(self, self.sync.local_state_dict(), self.step, stopped_by, writes):
             self.recorder.event({"event": "checkpoint", "path": self.checkpointer.path}, epoch, self.step)
 
-    def close(self, left: bool = False) -> None:
-        """Close files and process groups (``engine/ending.py``)."""
-        close(self, left)
+    def close(self, left: bool = False, planned: bool = True) -> None:
+        """Close files and process groups (``engine/ending.py``); ``planned``: not on an error's way out."""
+        close(self, left, planned)

@@ -36,15 +36,16 @@ def run_worker(cfg: dict[str, Any], run_dir: str) -> WorkerResult:
     """Entry point of every worker process (elastic launcher, torchrun or Slurm). A rank that leaves the run
     (``LeftRun``: evicted, or given up by the others) ends with status 0."""
     trainer = Trainer(cfg, run_dir)
-    left = False
+    left = ended = False
     try:
         summary = trainer.fit()
+        ended = True
         return WorkerResult(summary, trainer.stop.stopped_by(trainer.step))
     except LeftRun:
         left = True  # it said why when it left
         return WorkerResult(None, None, left=True)
     finally:
-        trainer.close(left)
+        trainer.close(left, planned=ended or left)  # (an error's end is a loss to the others: no farewell)
 
 
 def exit_if_left(result: WorkerResult) -> WorkerResult:

@@ -238,7 +238,7 @@ def test_a_killed_node_leaves_and_the_others_finish_the_run(tmp_path, sync):
     victim.wait()
 
     (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
-    assert lost["ranks"] == [2] and lost["cause"] == "died" and lost["world_size"] == 2
+    assert lost["ranks"] == [2] and lost["cause"] == "died" and lost["world_size"] == 2 and lost["noticed"] == "ended"
     assert lost["failed_step"] >= 10 and lost["recovery_s"] > 0
     # what was in flight: local SGD communicates only in its exchange (and at evaluations and checkpoints)
     assert lost["redo"] in {"exchange" if sync == "localsgd" else "step", "evaluation", "checkpoint"}
@@ -393,6 +393,7 @@ def test_a_hung_worker_is_given_up_and_exits_cleanly_when_it_wakes(tmp_path, whe
     assert woke, "the stopped worker was never continued"
     (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
     assert lost["ranks"] == [2] and lost["cause"] == "hung" and lost["world_size"] == 2 and lost["redo"] == where
+    assert lost["noticed"] == "silence"  # (a stopped process keeps its connections: only its silence tells)
     (summary,) = records(metrics, "summary")
     assert summary["finished"] and summary["lost_ranks"] == [2] and summary["replica_spread"] == 0.0
     assert summary["steps"] == expected_steps(lost)

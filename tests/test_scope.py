@@ -251,6 +251,7 @@ def test_a_whole_node_killed_leaves_and_the_other_node_finishes_with_every_step_
     assert world["scope"] == "node"
     (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
     assert lost["ranks"] == [2, 3] and lost["cause"] == "died" and lost["world_size"] == 2
+    assert lost["noticed"] == "ended"  # (their ends were seen: no wait for their silence)
     (summary,) = records(metrics, "summary")
     epoch = lost["epoch"]  # 12 steps per epoch with 4 processes until the loss's epoch ends, then 24 (2 epochs)
     assert summary["finished"] and summary["steps"] == 12 * epoch + 24 * (2 - epoch)

@@ -88,7 +88,7 @@ class Fixed:
     def close(self) -> None:
         pass
 
-    def stop(self) -> None:
+    def stop(self, farewell: bool = True) -> None:
         pass
 
 
@@ -144,9 +144,9 @@ class Surviving:
         for sending in self.sending:  # (a process ending while its thread sends would abort; a joiner gone ends it)
             sending.wait(SEND_GRACE_S)
 
-    def stop(self) -> None:
+    def stop(self, farewell: bool = True) -> None:
         if self.guard is not None:
-            self.guard.stop()
+            self.guard.stop(farewell)
 
     # ---- admissions (the members' side) ---------------------------------------------------------------------------
     def admit_if_due(self, epoch: int, site: Site) -> bool:

@@ -9,8 +9,9 @@ peer is gone a collective then fails on the survivors in one of two ways: at onc
 signal, stuck in a file system or a driver). Either way :meth:`Failures.recover` runs on each survivor:
 
 1. it checks in under the membership's generation and waits until every other active rank has either checked
-   in too (it saw the failure as well) or has not beaten for :data:`SILENT_S` seconds by this rank's clock, or
-   until another survivor has decided;
+   in too (it saw the failure as well), or has not beaten for :data:`SILENT_S` seconds by this rank's clock, or
+   was seen to end by a rank watching its process (``distributed/presence.py``: at once, where a process ends),
+   or until another survivor has decided;
 2. it proposes the silent ranks for removal (first writer wins, :meth:`Membership.propose`) and adopts what was
    agreed: the survivors form a new group; a removed rank that is still alive (a hung one that wakes up) finds
    the decision already made when its own collective fails, and leaves with status 0 (``LeftRun``) without
@@ -49,6 +50,7 @@ from typing import Any
 import torch.distributed as dist
 
 from distributed.membership import Change, Membership
+from distributed.presence import ended
 from distributed.transfer import recv_state, send_state
 from engine.elastic.heartbeat import BEAT_S, SILENT_S, Heartbeat
 from engine.elastic.positions import Position, left_behind
@@ -159,9 +161,12 @@ class Failures:
             # A survivor waiting on another survivor times out even when the peer died: it died if anyone saw
             # its connection close.
             seen = [c for r, c in self._checked_in(generation).items() if r not in gone]
+            closed = ended(m.store, m.key)
             proposal = {
                 "ranks": gone,
-                "cause": "died" if "died" in seen else "hung",
+                "cause": "died" if "died" in seen or (gone and set(gone) <= closed) else "hung",
+                # how the survivors knew: every removed rank's process was seen to end, or some fell silent
+                "noticed": "ended" if gone and set(gone) <= closed else "silence",
                 "step": at.step,
                 "time": time.time(),
                 "ahead": m.ready([r for r in m.ranks if r not in gone]),  # (the survivors' group is formed already)
@@ -183,6 +188,7 @@ class Failures:
             "failed_step": agreed["step"],
             "failed_at": agreed["time"],  # wall clock when the first survivor proposed the removal
             "formed_ahead": bool(agreed.get("ahead")),  # the survivors' group was formed before the failure
+            "noticed": agreed.get("noticed", "silence"),  # "ended": seen at once (distributed/presence.py)
             "world_size": len(change.ranks),
             "redo": front[1],
         }
@@ -267,12 +273,14 @@ class Failures:
                 arrived = now_arrived
                 missing.difference_update(self._checked_in(generation))
             silent, waiting = [], []
-            beats = self._beats(sorted(missing), seen)
+            gone = ended(m.store, m.key) & missing  # (their processes ended: a watcher saw their connection close)
+            beats = self._beats(sorted(missing - gone), seen)
             now = time.monotonic()
             for r, beats_read in beats.items():
                 if r not in seen or seen[r][0] != beats_read:
                     seen[r] = (beats_read, now)
                 (silent if now - seen[r][1] >= SILENT_S else waiting).append(r)
+            silent = sorted(silent + list(gone))
             if not waiting or now - start > self.hang_timeout_s + SILENT_S:
                 return silent, waiting
             time.sleep(BEAT_S / 4)

@@ -71,8 +71,8 @@ class SurvivingGuard:
     def start(self) -> None:
         self.failures.heartbeat.start()
 
-    def stop(self) -> None:
-        self.failures.heartbeat.stop()
+    def stop(self, farewell: bool = True) -> None:
+        self.failures.heartbeat.stop(farewell)
 
     def run(self, phase: Phase, part: Callable[[], Any], epoch: int, site: Site = Site.NONE, carry=None) -> Any:
         """``part()``; if a collective in it fails because a peer is gone, agree with the other survivors on who is

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from distributed.membership import Membership, StoreLoop
+from distributed.presence import Presence, ring_neighbours
 
 BEAT_S = 0.2  # heartbeat period
 SILENT_S = 2.0  # a rank that has not beaten for this long (10 beats) is gone
@@ -34,6 +35,7 @@ class Heartbeat:
         self._loop: StoreLoop | None = None
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it last changed: time.monotonic)
         self._next = 0  # where among the active ranks the next tick's reads begin
+        self.presence: Presence | None = None  # this rank's port and its watch on its neighbours' processes
 
     def key(self, rank: int) -> str:
         return self.membership.key(f"beat/{rank}")
@@ -43,11 +45,14 @@ class Heartbeat:
         return dict(self._seen)
 
     def start(self) -> None:
-        own = self.key(self.membership.rank)
+        m = self.membership
+        own = self.key(m.rank)
+        self.presence = Presence(m.rank, m.store.clone(), m.key).start()
 
         def beat(store: Any) -> bool:
             store.add(own, 1)
             try:
+                self.presence.watch(ring_neighbours(m.rank, m.ranks, m.nodes))
                 self._watch(store)
                 self._listen(store)
             except Exception:  # a failed read must not stop the beats that tell the others this rank is alive
@@ -95,7 +100,12 @@ class Heartbeat:
         if store.check([self.alarm_key(generation)]):
             m.ring(generation, f"relaxsync: another rank saw a collective fail (failure {generation}): a peer is lost")
 
-    def stop(self) -> None:
+    def stop(self, farewell: bool = True) -> None:
+        """Stop beating and watching; ``farewell``: this rank leaves the run on purpose (it finished, or was removed),
+        which its watchers are told (an end without it is taken for a loss: ``distributed/presence.py``)."""
         if self._loop is not None:
             self._loop.stop()
             self._loop = None
+        if self.presence is not None:
+            self.presence.stop(farewell)
+            self.presence = None

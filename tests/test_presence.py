@@ -1,0 +1,159 @@
+"""Presence (distributed/presence.py): a watched peer's process that ends unplanned is reported at once; one that
+says farewell, or that is only stopped (hung), is not; cutting a gloo group noted beside it leaves it alone."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from distributed.connections import cut, keep, noted
+from distributed.presence import Presence, ended, reachable_address, ring_neighbours
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER = textwrap.dedent(
+    """
+    import sys, time, datetime
+    import torch.distributed as dist
+    from distributed.presence import Presence
+    store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=30))
+    presence = Presence(1, store, lambda name: "run/" + name, address="127.0.0.1").start()
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() == "farewell":
+        presence.stop(farewell=True)
+    print("done", flush=True)
+    time.sleep(0.2)
+    """
+)
+
+
+def key(name: str) -> str:
+    return "run/" + name
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+    yield server
+
+
+def start_peer(store) -> subprocess.Popen:
+    peer = subprocess.Popen(
+        [sys.executable, "-c", PEER, str(store.port)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    assert peer.stdout.readline().strip() == "ready"
+    return peer
+
+
+def watching(store, peers=(1,)) -> Presence:
+    presence = Presence(0, store.clone(), key, address="127.0.0.1").start()
+    presence.watch(peers)
+    deadline = time.monotonic() + 10
+    while not all(p in presence._watching for p in peers):
+        assert time.monotonic() < deadline, "never connected to the peer's port"
+        time.sleep(0.01)
+    return presence
+
+
+def wait_reported(presence: Presence, timeout_s: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while not presence.reported and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return list(presence.reported)
+
+
+def test_a_killed_peer_is_reported_in_the_store_at_once(store):
+    peer = start_peer(store)
+    presence = watching(store)
+    try:
+        killed = time.monotonic()
+        peer.send_signal(signal.SIGKILL)
+        peer.wait()
+        assert wait_reported(presence) == [1]
+        assert ended(store, key) == {1}
+        # (not a time limit on this machine: that its end is read as it happens, not after a silence of seconds)
+        assert time.monotonic() - killed < 5
+    finally:
+        presence.stop(farewell=False)
+
+
+def test_a_peer_that_says_farewell_is_not_reported_and_a_stopped_one_neither(store):
+    peer = start_peer(store)
+    presence = watching(store)
+    try:
+        peer.send_signal(signal.SIGSTOP)  # hung: its sockets stay open, so only its silence can tell
+        time.sleep(0.5)
+        assert presence.reported == [] and ended(store, key) == set()
+        peer.send_signal(signal.SIGCONT)
+        peer.stdin.write("farewell\n")
+        peer.stdin.flush()
+        assert peer.stdout.readline().strip() == "done"
+        peer.wait(timeout=10)
+        time.sleep(0.3)
+        assert presence.reported == [] and ended(store, key) == set()
+        assert 1 not in presence._watching  # its connection ended and is not dialled again
+    finally:
+        presence.stop(farewell=False)
+
+
+def test_a_peer_no_longer_watched_is_dropped_quietly_and_its_end_is_not_reported(store):
+    peer = start_peer(store)
+    presence = watching(store)
+    try:
+        presence.watch([])
+        deadline = time.monotonic() + 5
+        while 1 in presence._watching:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        peer.kill()
+        peer.wait()
+        time.sleep(0.3)
+        assert presence.reported == [] and ended(store, key) == set()
+    finally:
+        presence.stop(farewell=False)
+
+
+def test_cutting_a_group_noted_while_a_presence_connection_was_made_leaves_that_connection_alone(store):
+    """A group noted while the presence thread dialled holds the presence socket in its noted set; cutting the group
+    must not shut it down (it would read as an unplanned end on both sides)."""
+    peer = start_peer(store)
+    try:
+        with noted(store.port) as made:
+            presence = watching(store)
+        assert made and made[0].sockets, "the presence connection was made inside the block"
+        keep("a group", made)
+        cut(["a group"])
+        time.sleep(0.3)
+        assert presence.reported == [] and 1 in presence._watching
+        presence.stop(farewell=False)
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+def test_the_watched_ranks_are_the_ring_neighbours_by_local_index_then_node():
+    nodes = ["a", "a", "b", "b", "c", "c"]  # 3 nodes of 2: ring a0 b0 c0 a1 b1 c1
+    assert ring_neighbours(0, list(range(6)), nodes) == {5, 2}
+    assert ring_neighbours(2, list(range(6)), nodes) == {0, 4}
+    for r in range(6):  # every neighbour on another node, and every rank watched by two
+        assert all(nodes[n] != nodes[r] for n in ring_neighbours(r, list(range(6)), nodes))
+    assert sum(r in ring_neighbours(w, list(range(6)), nodes) for w in range(6) for r in [3]) == 2
+    assert ring_neighbours(0, [0, 1], ["a", "b"]) == {1}
+    assert ring_neighbours(0, [0], ["a"]) == set()
+    assert ring_neighbours(7, [0, 1], ["a", "b"]) == set()  # not active: watches nobody
+    assert ring_neighbours(3, [0, 3, 5], ["a", "a", "a", "a", "a", "a"]) == {0, 5}  # one node: its own ranks
+
+
+def test_the_address_published_is_the_gloo_interfaces_or_the_one_towards_the_store():
+    assert reachable_address({"GLOO_SOCKET_IFNAME": "lo"}) == "127.0.0.1"
+    ipaddress.ip_address(reachable_address({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}))
