@@ -278,9 +278,11 @@ class Shard:
         }
 
     def kill(self, killed: list[int]) -> None:
+        """The ``killed`` ranks stop beating and their connections close without a farewell, as a process's do when
+        it is killed (its watchers report it: ``distributed/presence.py``)."""
         for r in killed:
             if r in self.failures:
-                self.failures[r].heartbeat.stop()
+                self.failures[r].heartbeat.stop(farewell=False)
 
     def fail(self) -> None:
         self.collective.set()

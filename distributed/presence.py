@@ -170,8 +170,10 @@ class Presence:
                 self._close(self._watching.pop(peer))
             self._dial([p for p in wanted if p not in self._watching and p not in self._ended])
             watched = {sock: peer for peer, sock in self._watching.items()}
+            # (every wanted peer reached: nothing to do until a connection or the watch changes, or stop)
+            look = LOOK_S if any(p not in self._watching and p not in self._ended for p in wanted) else None
             try:
-                ready, _, _ = select.select([self._listener, self._wake_r, *self._accepted, *watched], [], [], LOOK_S)
+                ready, _, _ = select.select([self._listener, self._wake_r, *self._accepted, *watched], [], [], look)
             except (OSError, ValueError):  # (a socket closed under it: look again)
                 continue
             for sock in ready:
