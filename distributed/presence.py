@@ -172,11 +172,17 @@ class Presence:
             watched = {sock: peer for peer, sock in self._watching.items()}
             # (every wanted peer reached: nothing to do until a connection or the watch changes, or stop)
             look = LOOK_S if any(p not in self._watching and p not in self._ended for p in wanted) else None
+            # (poll, not select: a process with many files has descriptors above select's limit of 1024)
+            by_fd = {sock.fileno(): sock for sock in [self._listener, self._wake_r, *self._accepted, *watched]}
+            poller = select.poll()
+            for fd in by_fd:
+                poller.register(fd, select.POLLIN)
             try:
-                ready, _, _ = select.select([self._listener, self._wake_r, *self._accepted, *watched], [], [], look)
-            except (OSError, ValueError):  # (a socket closed under it: look again)
+                events = poller.poll(None if look is None else look * 1000)
+            except OSError:  # (interrupted: look again)
                 continue
-            for sock in ready:
+            for fd, _ in events:
+                sock = by_fd[fd]
                 if sock is self._listener:
                     self._accept()
                 elif sock is self._wake_r:

@@ -72,9 +72,14 @@ def wait_reported(presence: Presence, timeout_s: float = 5.0) -> list[int]:
     return list(presence.reported)
 
 
-def test_a_killed_peer_is_reported_in_the_store_at_once(store):
+@pytest.mark.parametrize("descriptors", ["few", "above 1024"])
+def test_a_killed_peer_is_reported_in_the_store_at_once(store, descriptors):
+    """Also where the process holds so many files that the presence's sockets are numbered above 1024 (as a worker
+    with many loaders and libraries may): ``select`` cannot wait on those, ``poll`` can."""
+    held = [os.dup(0) for _ in range(1100)] if descriptors != "few" else []
     peer = start_peer(store)
     presence = watching(store)
+    assert descriptors == "few" or min(s.fileno() for s in presence._watching.values()) > 1024
     try:
         killed = time.monotonic()
         peer.send_signal(signal.SIGKILL)
@@ -85,6 +90,8 @@ def test_a_killed_peer_is_reported_in_the_store_at_once(store):
         assert time.monotonic() - killed < 5
     finally:
         presence.stop(farewell=False)
+        for fd in held:
+            os.close(fd)
 
 
 def test_a_peer_that_says_farewell_is_not_reported_and_a_stopped_one_neither(store):

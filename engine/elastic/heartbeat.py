@@ -36,6 +36,7 @@ class Heartbeat:
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it last changed: time.monotonic)
         self._next = 0  # where among the active ranks the next tick's reads begin
         self.presence: Presence | None = None  # this rank's port and its watch on its neighbours' processes
+        self._neighbours_of: list[int] | None = None  # the active ranks the presence's watch was worked out for
 
     def key(self, rank: int) -> str:
         return self.membership.key(f"beat/{rank}")
@@ -52,7 +53,7 @@ class Heartbeat:
         def beat(store: Any) -> bool:
             store.add(own, 1)
             try:
-                self.presence.watch(ring_neighbours(m.rank, m.ranks, m.nodes))
+                self._watch_neighbours()
                 self._watch(store)
                 self._listen(store)
             except Exception:  # a failed read must not stop the beats that tell the others this rank is alive
@@ -60,6 +61,16 @@ class Heartbeat:
             return False  # beat until stopped
 
         self._loop = self.membership.every(BEAT_S, beat, "relaxsync-heartbeat").start()
+
+    def _watch_neighbours(self) -> None:
+        """Have the presence watch this rank's ring neighbours among the active ranks, worked out again only when
+        the active ranks change (a change replaces the list)."""
+        m, presence = self.membership, self.presence
+        if presence is None or self._neighbours_of is m.ranks:
+            return
+        ranks = m.ranks
+        presence.watch(ring_neighbours(m.rank, ranks, m.nodes))
+        self._neighbours_of = ranks
 
     def _watch(self, store: Any) -> None:
         """Read the next peers' beats. Peers silent for :data:`SILENT_S` are most likely gone: the group the others
