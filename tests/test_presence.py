@@ -164,3 +164,28 @@ def test_the_watched_ranks_are_the_ring_neighbours_by_local_index_then_node():
 def test_the_address_published_is_the_gloo_interfaces_or_the_one_towards_the_store():
     assert reachable_address({"GLOO_SOCKET_IFNAME": "lo"}) == "127.0.0.1"
     ipaddress.ip_address(reachable_address({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}))
+
+
+def test_a_rank_that_cannot_listen_still_beats_and_says_so(store, monkeypatch, capsys):
+    """No port to listen on (an OSError from the presence) leaves the heartbeat beating: a loss of this rank is then
+    seen by its silence, as before."""
+    import engine.elastic.heartbeat as heartbeat_module
+    from distributed.membership import Membership
+
+    def refuse(*args, **kwargs):
+        raise OSError(99, "Cannot assign requested address")
+
+    monkeypatch.setattr(heartbeat_module, "Presence", refuse)
+    membership = Membership(0, 2, group=None)
+    membership._store = store
+    beat = heartbeat_module.Heartbeat(membership)
+    beat.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not (store.check([beat.key(0)]) and int(store.get(beat.key(0))) >= 2):
+            assert time.monotonic() < deadline, "the heartbeat never beat"
+            time.sleep(0.05)
+    finally:
+        beat.stop()
+    assert beat.presence is None
+    assert "cannot listen for its watchers" in capsys.readouterr().err

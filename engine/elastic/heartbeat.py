@@ -5,6 +5,7 @@ in to a failure of the current generation."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +49,11 @@ class Heartbeat:
     def start(self) -> None:
         m = self.membership
         own = self.key(m.rank)
-        self.presence = Presence(m.rank, m.store.clone(), m.key).start()
+        try:
+            self.presence = Presence(m.rank, m.store.clone(), m.key).start()
+        except OSError as error:  # (no port to listen on: the peers still find this rank's end by its silence)
+            print(f"relaxsync: rank {m.rank} cannot listen for its watchers ({error}); a loss of it is seen by its "
+                  f"silence only", file=sys.stderr, flush=True)  # fmt: skip
 
         def beat(store: Any) -> bool:
             store.add(own, 1)
