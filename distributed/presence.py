@@ -233,9 +233,9 @@ class Presence:
         with self._lock:
             still_wanted = peer in self._wanted
         if still_wanted:
-            self.reported.append(peer)
             with contextlib.suppress(Exception):  # (the store gone too: the silence decides, as before)
                 self.store.append(self.key("presence/ended"), f"{peer},")
+            self.reported.append(peer)  # (after the store has it: a reader of both sees it there first)
 
 
 def ended(store: Any, key: Callable[[str], str]) -> set[int]:

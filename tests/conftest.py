@@ -14,6 +14,11 @@ import pytest
 ON_GPU = os.environ.get("RELAXSYNC_TEST_GPU") == "1"
 if not ON_GPU:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# c10d looks up the name of every connection's address, and a resolver that leaves a lookup unanswered holds the
+# connection for its timeout (5 s by default; about one lookup in 25 on these machines). The suite asks it to give
+# up after 1 s, for itself and every process it starts, before any lookup: the resolver reads this once per
+# process, so a test that sets it later finds it ignored once an earlier test has looked a name up.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 import torch  # noqa: E402  (after CUDA_VISIBLE_DEVICES: CUDA reads it once)
 from hydra import compose, initialize_config_dir  # noqa: E402

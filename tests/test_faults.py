@@ -277,8 +277,8 @@ def test_a_node_lost_in_a_ring_of_four_is_seen_at_once_by_the_survivor_not_besid
     victim.wait()
 
     (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
-    assert lost["ranks"] == [2] and lost["cause"] == "died" and lost["world_size"] == 3
-    # Agreed after the 2 s a silent rank is given, not after the deadline (a margin of 60 s for a loaded machine).
+    assert lost["ranks"] == [2] and lost["cause"] == "died" and lost["world_size"] == 3 and lost["noticed"] == "ended"
+    # Agreed once its end was seen, not after the deadline (a margin of 60 s for a loaded machine).
     assert lost["time"] - killed_at < 60, lost
     (summary,) = records(metrics, "summary")
     assert summary["finished"] and summary["world_size"] == 3 and summary["replica_spread"] == 0.0
