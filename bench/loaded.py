@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine(), "cpus": os.cpu_count(), "nodes": a.nodes, "hogs": a.hogs, "sync": a.sync,
         "minutes": round((time.monotonic() - started) / 60, 2), "steps": len(train),
         "median_step_s": median(steps_s), "max_step_s": max(steps_s, default=None),
-        "longest_gap_s": max((b - a_ for a_, b in zip(times, times[1:])), default=None),
+        "longest_gap_s": max((later - earlier for earlier, later in zip(times, times[1:])), default=None),
         "false_removals": len(lost), "removal_events": lost, "exit_code": job.returncode,
         "world_size_at_end": train[-1]["world_size"] if train else None,
     }  # fmt: skip

@@ -23,12 +23,13 @@ Measured per size, after ``--warmup`` s (long enough for every heartbeat to have
 steady state over ``--window`` s: every call the ranks make on their store connections, counted client side by a
 thin wrapper (one call is one request to the server: ``multi_get`` of k keys is one call naming k keys), as calls/s
 and keys/s, per rank and heartbeat tick, and the server process's CPU; (b) a failure: ``--kill`` ranks stop beating
-and, at the same moment, every other rank's collective fails with gloo's "Connection closed by peer" (as a dead
-peer's closed sockets make it fail); each survivor runs ``Failures.recover`` at once. Reported: seconds from the
-failure until each survivor holds the agreed decision (``Membership.adopt`` called: median, max) and until the last
-survivor's ``recover`` returned (the change adopted and the positions exchanged), each survivor's own CPU in it, and
-whether every survivor agreed on exactly the killed ranks. A size that has not finished ``--limit`` s after the
-failure is reported as not finished, with what it reached.
+and close their watched connections without a farewell (as a killed process's kernel closes them:
+``distributed/presence.py``) and, at the same moment, every other rank's collective fails with gloo's "Connection
+closed by peer" (as a dead peer's closed sockets make it fail); each survivor runs ``Failures.recover`` at once.
+Reported: seconds from the failure until each survivor holds the agreed decision (``Membership.adopt`` called:
+median, max) and until the last survivor's ``recover`` returned (the change adopted and the positions exchanged),
+each survivor's own CPU in it, and whether every survivor agreed on exactly the killed ranks. A size that has not
+finished ``--limit`` s after the failure is reported as not finished, with what it reached.
 
 ``--code`` names the engine/elastic/failures.py to run: ``tree`` (the working tree's) and git revisions, whose file is
 loaded in place of the tree's (everything else as in the working tree); with several, each size runs with each, side by

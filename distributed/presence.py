@@ -81,14 +81,14 @@ def ring_neighbours(rank: int, ranks: list[int], nodes: list[str]) -> set[int]:
     ordered by their index on their node, then by node, so that a neighbour is on another node whenever the ranks
     span two nodes or more."""
     order_of_nodes: dict[str, int] = {}
-    local: dict[int, int] = {}
+    place: dict[int, tuple[int, int]] = {}  # rank -> (its index on its node, its node's order)
     seen: dict[str, int] = {}
     for r in ranks:  # (ranks in order: a node's lowest rank first, so node order is that of the lowest ranks)
-        node = nodes[r] if r < len(nodes) else f"rank{r}"
+        node = nodes[r] if r < len(nodes) else f"rank{r}"  # (a rank whose node is not known yet: one of its own)
         order_of_nodes.setdefault(node, len(order_of_nodes))
-        local[r] = seen.get(node, 0)
-        seen[node] = local[r] + 1
-    ring = sorted(ranks, key=lambda r: (local[r], order_of_nodes[nodes[r] if r < len(nodes) else f"rank{r}"]))
+        place[r] = (seen.get(node, 0), order_of_nodes[node])
+        seen[node] = place[r][0] + 1
+    ring = sorted(ranks, key=place.__getitem__)
     if rank not in ring or len(ring) < 2:
         return set()
     i = ring.index(rank)
@@ -202,10 +202,8 @@ class Presence:
             self._accepted.append(sock)
 
     def _dial(self, peers: list[int]) -> None:
-        if not peers:
-            return
-        keys = [self.key(f"presence/{p}") for p in peers]
-        for peer, key in zip(peers, keys):
+        for peer in peers:
+            key = self.key(f"presence/{peer}")
             try:
                 if not self.store.check([key]):
                     continue
