@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from distributed.alarm import Alarm
 from distributed.connections import cut, keep, noted, store_port
+from distributed.etcd import configured_store
 from distributed.world import node_name
 
 _instances = itertools.count()  # Memberships made in this process: every rank makes them in the same order
@@ -164,9 +165,13 @@ def _members(ranks: list[int]) -> str:
 
 
 def run_store(timeout: datetime.timedelta | None = None) -> dist.Store:
-    """A connection of this process's own to the run's c10d store, at ``MASTER_ADDR:MASTER_PORT`` (with
-    ``timeout``, default: the default group's store's); the default group's store itself where those are not
-    set."""
+    """A connection of this process's own to the run's c10d store: the etcd cluster ``trainer.store`` names, or
+    else torch's at ``MASTER_ADDR:MASTER_PORT`` (with ``timeout``, default: the default group's store's); the
+    default group's store itself where those are not set."""
+    default_timeout = dist.distributed_c10d._get_default_store().timeout if dist.is_initialized() else None
+    etcd = configured_store(timeout or default_timeout or DEFAULT_TIMEOUT)
+    if etcd is not None:
+        return etcd
     address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if dist.is_initialized():
         default = dist.distributed_c10d._get_default_store()
@@ -276,8 +281,8 @@ class Membership:
     @property
     def store(self) -> dist.Store:
         """The c10d store every rank of the run reaches, and a process that joins it later: a connection of this
-        process's own to ``MASTER_ADDR:MASTER_PORT`` (torchrun's agent, the local launcher's, task 0 under srun);
-        without those, the default group's store."""
+        process's own to the etcd cluster of ``trainer.store``, or else to ``MASTER_ADDR:MASTER_PORT`` (torchrun's
+        agent, the local launcher's, task 0 under srun); without those, the default group's store."""
         if self._store is None:
             self._store = run_store()
         return self._store

@@ -9,6 +9,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from distributed.etcd import STORE_ENV, configured_store
+
 
 def cuda_index(local_rank: int, local_world_size: int, visible: int, env: os._Environ | dict = os.environ) -> int:
     """Which of the ``visible`` CUDA devices the process of local rank ``local_rank`` (of ``local_world_size`` on its
@@ -98,15 +100,27 @@ def nccl_environment(survive_failures: bool, env: os._Environ | dict = os.enviro
     return out
 
 
-def init_distributed(backend: str, timeout_s: float, survive_failures: bool = False) -> None:
+def init_distributed(backend: str, timeout_s: float, survive_failures: bool = False, store: str | None = None) -> None:
     """The default process group (on NCCL, with the environment :func:`nccl_environment` gives). A world restarted
     by the elastic agent meets in a fresh part of the agent's store: the first attempt's keys are still there, and
-    gloo would try to reach a previous rank's address."""
+    gloo would try to reach a previous rank's address. With ``store`` (``trainer.store``, an etcd cluster's URL) the
+    group meets there instead, and every later part of the run that opens its store opens that one
+    (:func:`distributed.etcd.configured_store`): no process hosts the store, so none takes it with it."""
     if backend == "nccl":
         os.environ.update(nccl_environment(survive_failures))
         # Each collective's start and end events on NCCL's stream: its time on the GPU (distributed/clock.py)
         os.environ.setdefault(NCCL_TIMING, "1")
     timeout = datetime.timedelta(seconds=timeout_s)
+    if store:
+        os.environ[STORE_ENV] = store
+        dist.init_process_group(
+            backend=backend,
+            store=dist.PrefixStore("world", configured_store(timeout)),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
+        return
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend=backend, timeout=timeout)

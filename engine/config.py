@@ -16,6 +16,7 @@ from typing import Any
 
 from hydra.utils import get_object
 
+from distributed.etcd import parse as parse_store
 from engine.launchers import slurm_task, under_external_launcher
 from engine.scope import validate_scope
 from errors import ConfigError
@@ -174,6 +175,19 @@ def validate(cfg: dict[str, Any]) -> None:
         hang,
         f"seconds > 0 and below trainer.timeout_s ({t['timeout_s']})",
     )
+    store = t.get("store")
+    if store is not None:
+        try:
+            parse_store(store if isinstance(store, str) else "")
+            members_ok = True
+        except ValueError:
+            members_ok = False
+        _check(
+            members_ok,
+            "trainer.store",
+            store,
+            "null (torch's store) or 'etcd://host:port,host:port,...' (quoted: Hydra reads commas as a list)",
+        )
     ln = t["local_nodes"]
     per_node = "an integer >= 1 that divides trainer.nproc (its processes split evenly into emulated nodes)"
     _check(_is_int(ln) and ln >= 1 and t["nproc"] % ln == 0, "trainer.local_nodes", ln, per_node)

@@ -7,6 +7,7 @@ the records, the console lines and the W&B event tables; the summary that ends a
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -40,6 +41,14 @@ class NetdevCounter:
         now = self._read()
         delta, self._last = now - self._last, now
         return delta
+
+
+RECENT = 64  # records each rank keeps, for the one that takes over logging from a logging rank that ended
+
+
+def _identity(record: dict[str, Any]) -> tuple[Any, ...]:
+    """What tells a record from the others of its run: a rank's copy of a record has its own ``time``."""
+    return record["kind"], record.get("step"), record.get("epoch"), record.get("event")
 
 
 class MetricsWriter:
@@ -117,6 +126,7 @@ class Recorder:
         self.observers: list[Callable[[dict[str, Any]], None]] = []  # called with every record, on every rank
         self.netdev: NetdevCounter | None = None  # trainer.netdev: the interface whose bytes records carry
         self.lease: Lease | None = None  # the logging rank's hold on the run dir
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT)  # as written, every rank
         self.elect()
 
     def elect(self) -> None:
@@ -127,13 +137,36 @@ class Recorder:
         # One world per run dir: a second one started into it stops here, before writing anything (engine.rundir).
         self.lease = Lease(self.run_dir, world_id())
         self.lease.take()
-        self.writer = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"))
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        unwritten = self._unwritten(path) if self.recent else []
+        self.writer = MetricsWriter(path)
+        for record in unwritten:  # (the previous logging rank ended before it wrote them)
+            self.writer.write(record)
+            if record["kind"] != "summary":
+                self.logger.log(record, step=record["step"])
         self._log = open(os.path.join(self.run_dir, "train.log"), "a", buffering=1)
         save_config(self.cfg, os.path.join(self.run_dir, CONFIG_FILE))
         self.logger.start(self.run_dir, self.cfg, self.sync_name)
         where = self.logger.describe()
         if where:
             self.console(f"relaxsync: {where}")
+
+    def _unwritten(self, path: str) -> list[dict[str, Any]]:
+        """On a rank that becomes the logging rank mid-run: the records it holds that the previous one did not
+        write, from the first after the last one in ``path`` (the previous logging rank may have ended between a
+        step every rank finished and its record; a line it left half written is cut off)."""
+        if not os.path.exists(path):
+            return list(self.recent)
+        with open(path, "rb+") as f:
+            text = f.read()
+            f.truncate(text.rfind(b"\n") + 1)
+        last = next((r for r in reversed(read_metrics(path)) if r["kind"] != "summary"), None)
+        if last is None:
+            return list(self.recent)
+        same = [i for i, r in enumerate(self.recent) if _identity(r) == _identity(last)]
+        if same:
+            return list(self.recent)[same[-1] + 1 :]
+        return [r for r in self.recent if r.get("step", -1) > last["step"]]
 
     def write(self, record: dict[str, Any], step: int) -> None:
         """One record to metrics.jsonl and the logger (a no-op off the logging rank)."""
@@ -146,6 +179,7 @@ class Recorder:
             self.writer.write(stamped)
             if record["kind"] != "summary":
                 self.logger.log(record, step=step)
+        self.recent.append(stamped)
         for observe in self.observers:
             observe(stamped)
 

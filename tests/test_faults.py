@@ -12,6 +12,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -126,27 +127,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_nodes(n: int, run_dir: Path, *overrides: str, procs: int = 1) -> list[subprocess.Popen]:
+def start_nodes(n: int, run_dir: Path, *overrides: str, procs: int = 1, etcd: Any = None) -> list[subprocess.Popen]:
     """``n`` torchrun agents on this machine, ``procs`` workers each, meeting at a c10d rendezvous hosted by the
-    first: a multi-node job in which one "node" can be killed without the others' agents noticing."""
+    first: a multi-node job in which one "node" can be killed without the others' agents noticing. With ``etcd`` (a
+    running :class:`distributed.etcd.LocalCluster`) they meet in its etcd-v2 rendezvous instead, and the run's store
+    is the cluster (``trainer.store``): no node is special, and killing one kills its member too."""
     port = free_port()
-    return [start_node(node, str(n), port, run_dir, overrides, procs=procs) for node in range(n)]
+    return [start_node(node, str(n), port, run_dir, overrides, procs=procs, etcd=etcd) for node in range(n)]
 
 
 def start_node(
-    node: int, nnodes: str, port: int, run_dir: Path, overrides, rdzv_conf: str = "", procs: int = 1, **environ: str
+    node: int,
+    nnodes: str,
+    port: int,
+    run_dir: Path,
+    overrides,
+    rdzv_conf: str = "",
+    procs: int = 1,
+    etcd: Any = None,
+    **environ: str,
 ) -> subprocess.Popen:
-    """Node ``node``'s torchrun agent, ``procs`` workers (the first hosts the rendezvous at ``port``)."""
+    """Node ``node``'s torchrun agent, ``procs`` workers (the first hosts the rendezvous at ``port``; with ``etcd``,
+    the agent speaks to the member on its node, or the last member where there are more nodes than members)."""
     environ = dict(env(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **environ)
     environ.update(node_environ(node))  # (make test-gpu: each node a GPU, or a host for NCCL, of its own)
+    if etcd is None:
+        rendezvous = [
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-conf",
+            f"is_host={int(node == 0)}{rdzv_conf}",
+        ]
+        store = []
+    else:
+        rendezvous = ["etcd-v2", "--rdzv-endpoint", etcd.endpoint(min(node, etcd.members - 1))]
+        store = [f"trainer.store='{etcd.url}'"]  # (quoted: Hydra reads commas as a list)
     launcher = [
         TORCHRUN, "--nnodes", nnodes, "--nproc-per-node", str(procs), "--max-restarts", "0",
-        "--monitor-interval", "0.5",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_dir.name,
-        "--rdzv-conf", f"is_host={int(node == 0)}{rdzv_conf}",
+        "--monitor-interval", "0.5", "--rdzv-id", run_dir.name, "--rdzv-backend", *rendezvous,
     ]  # fmt: skip
     log = open(run_dir.parent / f"{run_dir.name}-node{node}.log", "w")
-    train_py = ["train.py", *overrides, f"trainer.run_dir={run_dir}"]
+    train_py = ["train.py", *overrides, *store, f"trainer.run_dir={run_dir}"]
     return subprocess.Popen(
         [*launcher, *train_py], cwd=ROOT, env=environ, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )

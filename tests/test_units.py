@@ -263,3 +263,43 @@ def test_a_sleep_straggler_on_all_ranks_slows_every_rank_one_that_joins_later_to
     SleepStraggler.validate(section, {}, 3)
     with pytest.raises(ConfigError, match="straggler.ranks"):
         SleepStraggler.validate({**section, "ranks": "some"}, {}, 3)
+
+
+def test_a_rank_that_takes_over_logging_writes_the_records_the_ended_one_did_not(tmp_path):
+    """The logging rank is killed after a step every rank finished and before (or while) writing its record: the
+    rank that logs next writes it, once, and cuts off the half-written line, so that every step is in metrics.jsonl
+    once."""
+    from engine.metrics import NoLogger, Recorder
+
+    class Member:
+        def __init__(self, rank: int, logging: list[int]):
+            self.rank, self.logging = rank, logging
+
+        @property
+        def is_logging_rank(self) -> bool:
+            return self.rank == self.logging[0]
+
+    def recorder(rank: int, logging: list[int]) -> Recorder:
+        return Recorder(str(tmp_path), {"trainer": {}}, "allreduce", Member(rank, logging), NoLogger())
+
+    def train(step: int, rank: int) -> dict:
+        return {"kind": "train", "step": step, "epoch": 0, "loss": 1.0 + rank, "bytes_sent": 8, "comm_s": 0.1,
+                "samples_per_s": 100.0}  # fmt: skip
+
+    logging = [0]
+    first, second = recorder(0, logging), recorder(1, logging)
+    for step in range(3):
+        for r in (first, second):
+            r.write(train(step, r.membership.rank), step)
+    second.write(train(3, 1), 3)  # (the first ended before its record)
+    second.event({"event": "checkpoint"}, 1, 3)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "st')  # ...in the middle of writing it
+    logging[0] = 1
+    second.elect()
+    second.write(train(4, 1), 4)
+    written = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [(r["kind"], r["step"]) for r in written] == [
+        ("train", 0), ("train", 1), ("train", 2), ("train", 3), ("event", 3), ("train", 4)
+    ]  # fmt: skip
+    assert open(tmp_path / "metrics.jsonl").read().count("\n") == 6  # (the half line is gone, not kept as a line)

@@ -21,7 +21,7 @@ def worker_membership(t: dict[str, Any], device: Any, rank: int, world_size: int
         return joiner_membership(run_dir, t["hang_timeout_s"], t["timeout_s"])
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        init_distributed(backend, t["timeout_s"], t["on_failure"] == "continue")
+        init_distributed(backend, t["timeout_s"], t["on_failure"] == "continue", t.get("store"))
     return training_membership(t["on_failure"], t["hang_timeout_s"], rank, world_size)
 
 

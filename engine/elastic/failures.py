@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import re
 import time
 from collections.abc import Callable
@@ -49,6 +50,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from distributed.etcd import STORE_ENV
 from distributed.membership import Change, Membership
 from distributed.presence import ended
 from distributed.transfer import recv_state, send_state
@@ -127,10 +129,20 @@ class Failures:
         except dist.DistError as store_error:
             if self._store_answers():  # a survivor went away during the agreement (a key it never wrote, the new
                 raise  # group's first collective): another loss, which the caller agrees on in turn
+            if os.environ.get(STORE_ENV):  # (etcd answers only where a majority of its members is)
+                where = (
+                    "the etcd cluster of trainer.store has no majority on this side: this rank is cut off from the "
+                    "others, which go on without it if they hold the majority. It stops rather than train as a "
+                    "second run"
+                )
+            else:
+                where = (
+                    "the store lives with torchrun's agent on the first node, which is probably gone too. Continue "
+                    "from the last checkpoint with trainer.resume=auto (trainer.store=etcd://... survives any node)"
+                )
             raise StoreUnreachable(
                 f"rank {self.membership.rank} lost a peer at step {at.step} and cannot reach the c10d store to agree "
-                f"with the others ({store_error}); the store lives with torchrun's agent on the first node, which is "
-                f"probably gone too. Continue from the last checkpoint with trainer.resume=auto"
+                f"with the others ({store_error}); {where}"
             ) from error
         if recovery is None:  # (raised out here: an NCCL error is a DistError too, and is not the store's)
             raise error

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distributed.etcd import STORE_ENV, EtcdStore
+from distributed.etcd import parse as parse_store
 from distributed.membership import LeftRun, Membership
 from distributed.world import nccl_environment, node_name
 from engine.elastic.admissions import POLL_S
@@ -42,10 +44,16 @@ def joiner_membership(run_dir: str, hang_timeout_s: float, timeout_s: float) -> 
     membership = Membership(-1, 0, hosts=[], timeout=deadline, backend=where.backend, prefix=where.prefix)
     membership.initial_size, membership.group = where.initial_size, None
     try:  # (reached within hang_timeout_s, or the run it names has ended: its store went with its first node)
-        store = dist.TCPStore(where.address, where.port, is_master=False, timeout=deadline)
+        if where.store:  # (an etcd cluster's: every later part of this process opens it too)
+            os.environ[STORE_ENV] = where.store
+            store = EtcdStore(parse_store(where.store)[0], where.store_root, deadline)
+            store.check(["joining"])
+        else:
+            store = dist.TCPStore(where.address, where.port, is_master=False, timeout=deadline)
     except dist.DistError as error:
         raise RuntimeError(
-            f"trainer.join=true: the run in {run_dir} is not reachable at {where.address}:{where.port} "
+            f"trainer.join=true: the run in {run_dir} is not reachable at "
+            f"{where.store or f'{where.address}:{where.port}'} "
             f"({type(error).__name__}); it has ended, or its first node is gone"
         ) from None
     store.set_timeout(datetime.timedelta(seconds=timeout_s))

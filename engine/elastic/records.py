@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from distributed.etcd import STORE_ENV
 from distributed.membership import Membership
 
 JOIN_FILE = "join.json"
@@ -97,6 +98,8 @@ class JoinFile:
     prefix: str  # the membership's keys
     initial_size: int
     backend: str
+    store: str = ""  # trainer.store's URL, where the run's store is an etcd cluster
+    store_root: str = ""  # and the run's place in it
 
     @staticmethod
     def path(run_dir: str) -> str:
@@ -118,9 +121,13 @@ class JoinFile:
     def of(cls, membership: Membership) -> JoinFile | None:
         """The file for ``membership``'s run; None where its store cannot be reached from elsewhere."""
         address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        if not (address and port and membership.backend):
+        etcd = os.environ.get(STORE_ENV, "")
+        if not ((address and port) or etcd) or not membership.backend:
             return None
-        return cls(address, int(port), membership.prefix, membership.initial_size, membership.backend)
+        root = getattr(membership.store, "root", "") if etcd else ""
+        return cls(
+            address or "", int(port or 0), membership.prefix, membership.initial_size, membership.backend, etcd, root
+        )
 
 
 @dataclass(frozen=True)

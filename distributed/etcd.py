@@ -1,0 +1,378 @@
+"""The run's store on an etcd cluster, so that no node's loss takes the store with it.
+
+    trainer.store=etcd://node1:2379,node2:2379,node3:2379
+
+torchrun's c10d store lives in one process on the first node: when that node goes, the others have nothing left to
+agree through. An etcd cluster of 3 (or 5) members on distinct nodes keeps every key it has acknowledged as long as a
+majority of its members live, and refuses to answer on a side that holds no majority, so a part of the run cut off
+from the others stops instead of going on as a second run (docs/failures.md, "The store").
+
+:class:`EtcdStore` is a c10d ``Store`` (gloo and NCCL groups form over it, and the elastic code uses it as it uses a
+``TCPStore``) on etcd's v3 API through its HTTP gateway (JSON over one kept-alive connection, the standard library
+only). Each call goes to one member; when that member does not answer (gone, or without a leader) the call moves to
+the next, for up to ``reach_s`` in all, and then raises ``DistNetworkError``. Keys live under ``/relaxsync/<run>/``.
+
+A call retried on another member may have been applied by the first one before it went. ``set``, ``compare_set``
+and deletes give the same result applied twice; ``add`` and ``append`` would not (a check-in counted twice), so
+each of their writes also writes a marker of its own (per client and key, overwritten by the next) in the same
+transaction, and a retry whose comparison fails reads that marker to learn whether its first try was applied.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import http.client
+import itertools
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from typing import Any
+from urllib.parse import urlparse
+
+import torch.distributed as dist
+
+SCHEME = "etcd://"
+DEFAULT_PORT = 2379
+ATTEMPT_S = 2.0  # one request to one member; etcd answers a write within its election time or says why not
+REACH_S = 6.0  # every member tried, again and again, before the store counts as unreachable
+POLL_S = (0.002, 0.05)  # a wait's first and longest pause between reads
+_THREAD = threading.local()  # each thread's connections, one per member
+_KEPT: list[EtcdStore] = []  # clones, alive with the process (EtcdStore.clone)
+
+
+def parse(url: str) -> tuple[list[tuple[str, int]], str]:
+    """``etcd://host[:port],host[:port],.../name`` -> the members' (host, port) and the run's name (may be "")."""
+    if not url.startswith(SCHEME):
+        raise ValueError(f"trainer.store={url!r}: expected {SCHEME}host:port,host:port,... (etcd's client URLs)")
+    where, _, name = url[len(SCHEME) :].partition("/")
+    endpoints = []
+    for part in filter(None, where.split(",")):
+        parsed = urlparse(f"//{part}")
+        try:
+            port = parsed.port or DEFAULT_PORT
+        except ValueError:
+            raise ValueError(f"trainer.store={url!r}: {part!r} is not host[:port] (etcd://host:port,...)") from None
+        if not parsed.hostname:
+            raise ValueError(f"trainer.store={url!r}: {part!r} is not host[:port] (etcd://host:port,...)")
+        endpoints.append((parsed.hostname, port))
+    if not endpoints:
+        raise ValueError(f"trainer.store={url!r}: no etcd member given ({SCHEME}host:port,host:port,...)")
+    return endpoints, name.strip("/")
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _bytes(value: str | bytes | bytearray | list[int]) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+def _range_end(prefix: bytes) -> bytes:
+    """etcd's end of the range of keys starting with ``prefix``."""
+    end = bytearray(prefix)
+    while end and end[-1] == 0xFF:
+        end.pop()
+    end[-1] += 1
+    return bytes(end)
+
+
+class EtcdStore(dist.Store):
+    """A c10d store on an etcd cluster's v3 API (see the module's docstring)."""
+
+    def __init__(
+        self,
+        endpoints: list[tuple[str, int]],
+        root: str,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+        reach_s: float = REACH_S,
+    ):
+        super().__init__()  # (pybind's trampoline)
+        self.endpoints, self.root, self.reach_s = list(endpoints), root.strip("/"), reach_s
+        self._data = f"/relaxsync/{self.root}/k/".encode()
+        self._marks = f"/relaxsync/{self.root}/m/".encode()
+        self._client, self._seq = uuid.uuid4().hex[:12], itertools.count(1)
+        self._at = 0  # the member asked first
+        self.set_timeout(timeout)
+
+    @classmethod
+    def from_url(cls, url: str, root: str, timeout: datetime.timedelta | None = None) -> EtcdStore:
+        """The store at ``url`` (``etcd://...``; a name after the members goes before ``root``)."""
+        endpoints, name = parse(url)
+        return cls(endpoints, f"{name}/{root}" if name else root, timeout or datetime.timedelta(seconds=300))
+
+    def clone(self) -> EtcdStore:
+        """The same store (for another thread: connections are per thread anyway). A clone is kept alive with the
+        process: c10d holds a store handed to it (a ``PrefixStore`` of it, a group formed over it) without holding
+        its Python half, which a clone only referenced there would lose. A clone holds no connection."""
+        twin = EtcdStore(self.endpoints, self.root, self.timeout, self.reach_s)
+        twin._at = self._at
+        _KEPT.append(twin)
+        return twin
+
+    def __repr__(self) -> str:
+        members = ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        return f"EtcdStore({SCHEME}{members}, root={self.root!r})"
+
+    # -- one request -------------------------------------------------------------------------------------------
+    def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST ``body`` to ``/v3/<path>`` on the first member that answers it; ``DistNetworkError`` after
+        ``reach_s`` without an answer."""
+        payload = json.dumps(body).encode()
+        deadline, tried, last = time.monotonic() + self.reach_s, 0, "no answer"
+        connections: dict[tuple[str, int], http.client.HTTPConnection] = _THREAD.__dict__.setdefault("c", {})
+        while True:
+            host, port = endpoint = self.endpoints[self._at]
+            try:
+                if endpoint not in connections:
+                    connections[endpoint] = http.client.HTTPConnection(host, port, timeout=ATTEMPT_S)
+                connection = connections[endpoint]
+                connection.request("POST", f"/v3/{path}", payload, {"Content-Type": "application/json"})
+                response = connection.getresponse()
+                data = response.read()
+                if response.status == 200:
+                    return json.loads(data)
+                answer = json.loads(data) if data.startswith(b"{") else {}
+                last = f"{host}:{port} answered {response.status}: {answer.get('error') or data[:200]!r}"
+                if response.status == 400:  # (a request etcd cannot parse: ours, not the cluster's)
+                    raise ValueError(f"etcd store: {last}")
+            except (OSError, http.client.HTTPException) as error:
+                last = f"{host}:{port}: {type(error).__name__}: {error}"
+                connections.pop(endpoint).close()
+            self._at, tried = (self._at + 1) % len(self.endpoints), tried + 1
+            if time.monotonic() >= deadline:
+                members = ",".join(f"{h}:{p}" for h, p in self.endpoints)
+                raise dist.DistNetworkError(
+                    f"etcd store {SCHEME}{members} unreachable for {self.reach_s:.0f} s (no member answered, "
+                    f"or none holds a majority): {last}"
+                )
+            if tried % len(self.endpoints) == 0:  # (every member tried once: give an election time to end)
+                time.sleep(min(0.05 * tried / len(self.endpoints), 0.5))
+
+    def _key(self, key: str | bytes) -> bytes:
+        return self._data + _bytes(key)
+
+    def _mark(self, key: str | bytes) -> bytes:
+        return self._marks + self._client.encode() + b"/" + _bytes(key)
+
+    def _range(self, keys: list[bytes]) -> list[dict[str, Any] | None]:
+        """Each key's record (``value``, ``mod_revision``), or None where it is absent: one transaction."""
+        answer = self._call("kv/txn", {"success": [{"request_range": {"key": _b64(k)}} for k in keys]})
+        out: list[dict[str, Any] | None] = []
+        for response in answer.get("responses", []):
+            kvs = response.get("response_range", {}).get("kvs") or []
+            out.append(kvs[0] if kvs else None)
+        return out
+
+    # -- the Store API -----------------------------------------------------------------------------------------
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call("kv/put", {"key": _b64(self._key(key)), "value": _b64(_bytes(value))})
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        puts = [{"request_put": {"key": _b64(self._key(k)), "value": _b64(_bytes(v))}} for k, v in zip(keys, values)]
+        self._call("kv/txn", {"success": puts})
+
+    def get(self, key: str) -> bytes:
+        return self.multi_get([key])[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The keys' values, once all are set (``DistStoreError`` after the store's timeout)."""
+        self.wait(keys)
+        records = self._range([self._key(k) for k in keys])
+        if any(r is None for r in records):  # (deleted between the wait and the read)
+            return self.multi_get(keys)
+        return [base64.b64decode(r.get("value", "")) for r in records]  # type: ignore[union-attr]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(r is not None for r in self._range([self._key(k) for k in keys]))
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        """Return once every key is set; ``DistStoreError`` after ``timeout`` (the store's by default)."""
+        limit = (timeout or self.timeout).total_seconds()
+        deadline, pause = time.monotonic() + limit, POLL_S[0]
+        while not self.check(keys):
+            if time.monotonic() >= deadline:
+                raise dist.DistStoreError(f"etcd store: wait for {keys} timed out after {limit:.1f} s")
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_S[1])
+
+    def delete_key(self, key: str) -> bool:
+        return int(self._call("kv/deleterange", {"key": _b64(self._key(key))}).get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        body = {"key": _b64(self._data), "range_end": _b64(_range_end(self._data)), "count_only": True}
+        return int(self._call("kv/range", body).get("count", 0))
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """``TCPStore``'s: ``desired`` is written when the key holds ``expected``, or is absent and ``expected`` is
+        empty; returns the key's value after (``expected`` itself when the key is absent and was not written)."""
+        k, expected, desired = self._key(key), _bytes(expected), _bytes(desired)
+        while True:
+            (record,) = self._range([k])
+            current = None if record is None else base64.b64decode(record.get("value", ""))
+            if current is None and expected:
+                return expected
+            if current is not None and current != expected:
+                return current
+            if self._swap(k, record, desired):
+                return desired
+
+    def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the key's decimal value (0 when absent); returns the sum. Applied once, even when
+        retried on another member."""
+        return int(self._update(self._key(key), lambda old: str(int(old or b"0") + amount).encode()))
+
+    def append(self, key: str, value: str | bytes) -> None:
+        """Add ``value`` to the end of the key's value (creating it). Applied once, even when retried."""
+        self._update(self._key(key), lambda old: (old or b"") + _bytes(value))
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    # -- read, change, write -----------------------------------------------------------------------------------
+    def _swap(self, k: bytes, record: dict[str, Any] | None, value: bytes, mark: bytes | None = None) -> bool:
+        """Write ``value`` at ``k`` if it is still as ``record`` (its revision) found it; whether it was."""
+        revision = "0" if record is None else record.get("mod_revision", "0")
+        puts = [{"request_put": {"key": _b64(k), "value": _b64(value)}}]
+        if mark is not None:
+            puts.append({"request_put": {"key": _b64(self._mark(k)), "value": _b64(mark)}})
+        compare = [{"key": _b64(k), "target": "MOD", "result": "EQUAL", "mod_revision": revision}]
+        return bool(self._call("kv/txn", {"compare": compare, "success": puts}).get("succeeded", False))
+
+    def _update(self, k: bytes, change: Any) -> bytes:
+        """Replace the value at ``k`` with ``change(old value or None)``, once; returns the new value."""
+        mark_base = f"{next(self._seq)} ".encode()
+        while True:
+            record, marked = self._range([k, self._mark(k)])
+            if marked is not None:  # (a try of this very update applied before its answer was lost)
+                seen = base64.b64decode(marked.get("value", ""))
+                if seen.startswith(mark_base):
+                    return seen[len(mark_base) :]
+            new = change(None if record is None else base64.b64decode(record.get("value", "")))
+            if self._swap(k, record, new, mark_base + (new if len(new) <= 64 else b"")):  # (a sum: short)
+                return new
+
+
+class LocalCluster:
+    """An etcd cluster of ``members`` processes on this machine, one per emulated node (node ``i`` hosts member
+    ``i``): the shape of a real deployment, where killing a node kills its member too. Used by the tests, the chaos
+    matrix and the benches; on a real cluster each member is started on its own node (examples/slurm/)."""
+
+    def __init__(self, directory: str, members: int = 3, heartbeat_ms: int = 50, election_ms: int = 500):
+        os.makedirs(directory, exist_ok=True)
+        self.directory, self.members = directory, members
+        self.heartbeat_ms, self.election_ms = heartbeat_ms, election_ms
+        ports = []
+        holders = [socket.socket() for _ in range(2 * members)]
+        for s in holders:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        for s in holders:
+            s.close()
+        self.client_ports, self.peer_ports = ports[:members], ports[members:]
+        self.processes: list[Any] = [None] * members
+
+    @property
+    def url(self) -> str:
+        return SCHEME + ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+
+    def endpoint(self, i: int) -> str:
+        return f"127.0.0.1:{self.client_ports[i]}"
+
+    def command(self, i: int) -> list[str]:
+        cluster = ",".join(f"m{j}=http://127.0.0.1:{p}" for j, p in enumerate(self.peer_ports))
+        return [
+            "etcd", "--name", f"m{i}", "--data-dir", os.path.join(self.directory, f"m{i}"),
+            "--listen-client-urls", f"http://{self.endpoint(i)}", "--advertise-client-urls", f"http://{self.endpoint(i)}",
+            "--listen-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
+            "--initial-cluster", cluster, "--initial-cluster-state", "new",
+            "--initial-cluster-token", os.path.basename(self.directory.rstrip("/")) or "relaxsync",
+            "--heartbeat-interval", str(self.heartbeat_ms), "--election-timeout", str(self.election_ms),
+            "--enable-v2=true",  # (torchrun's etcd-v2 rendezvous speaks etcd's v2 API)
+            "--logger", "zap", "--log-level", "error",
+        ]  # fmt: skip
+
+    def start(self, timeout_s: float = 30.0) -> LocalCluster:
+        """Start every member; return once the cluster takes a write."""
+        for i in range(self.members):
+            log = open(os.path.join(self.directory, f"m{i}.log"), "ab")
+            self.processes[i] = subprocess.Popen(
+                self.command(i), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        store = EtcdStore(parse(self.url)[0], "up", reach_s=timeout_s)
+        store.set("up", "1")
+        return self
+
+    def _status(self, i: int) -> dict[str, Any]:
+        return EtcdStore([("127.0.0.1", self.client_ports[i])], "status", reach_s=ATTEMPT_S)._call(
+            "maintenance/status", {}
+        )
+
+    def leader(self) -> int:
+        """The member that leads the cluster now."""
+        live = [i for i, p in enumerate(self.processes) if p is not None and p.poll() is None]
+        statuses = {i: self._status(i) for i in live}
+        ids = {status["header"]["member_id"]: i for i, status in statuses.items()}
+        leaders = {status.get("leader") for status in statuses.values()}
+        if len(leaders) != 1 or next(iter(leaders)) not in ids:
+            raise RuntimeError(f"etcd: no one leader among the live members ({leaders})")
+        return ids[next(iter(leaders))]
+
+    def lead(self, i: int, timeout_s: float = 10.0) -> None:
+        """Make member ``i`` the leader (etcd's leadership transfer), so that killing its node loses the leader."""
+        deadline = time.monotonic() + timeout_s
+        while (current := self.leader()) != i:
+            target = self._status(i)["header"]["member_id"]
+            EtcdStore([("127.0.0.1", self.client_ports[current])], "status")._call(
+                "maintenance/transfer-leadership", {"targetID": target}
+            )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd member {i} did not become the leader in {timeout_s} s")
+
+    def kill(self, i: int) -> None:
+        """``kill -9`` member ``i`` (its node is lost)."""
+        process = self.processes[i]
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+
+    def stop(self) -> None:
+        for i in range(self.members):
+            self.kill(i)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+STORE_ENV = "RELAXSYNC_STORE"  # trainer.store, for every part of a worker that opens the run's store
+
+
+def store_root(env: Any = None) -> str:
+    """Where a run's keys live in etcd: its torchrun rendezvous id (or Slurm job) and restart, so that a run never
+    reads another's keys or its own earlier attempt's (the group's addresses of processes now gone)."""
+    env = os.environ if env is None else env
+    run = env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "run"
+    restart = env.get("TORCHELASTIC_RESTART_COUNT") or env.get("SLURM_RESTART_COUNT") or "0"
+    return f"{run}/restart{restart}"
+
+
+def configured_store(timeout: datetime.timedelta | None = None) -> EtcdStore | None:
+    """The run's etcd store where ``trainer.store`` names one (``RELAXSYNC_STORE``), a client of this caller's own;
+    None where the run's store is torch's (``MASTER_ADDR``)."""
+    url = os.environ.get(STORE_ENV)
+    if not url:
+        return None
+    store = EtcdStore.from_url(url, store_root(), timeout)
+    _KEPT.append(store)  # (c10d may hold it without its Python half, as a clone: EtcdStore.clone)
+    return store
