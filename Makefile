@@ -47,8 +47,9 @@ SEED ?= 0
 N ?=
 ONLY ?=
 JOBS ?= 1
-chaos: $(STAMP) ## (~80 min) every sync option x phase x kill/hang on 3-4 torchrun nodes; SEED=, N= cells, ONLY=cell, JOBS=
-	$(PY) -m tests._chaos --seed $(SEED) $(if $(N),--n $(N)) $(if $(ONLY),--only $(ONLY)) --jobs $(JOBS)
+STORE ?=
+chaos: $(STAMP) ## (~80 min) every sync option x phase x kill/hang of any of 3-4 torchrun nodes (store on etcd); SEED= N= ONLY= JOBS= STORE=
+	$(PY) -m tests._chaos --seed $(SEED) $(if $(N),--n $(N)) $(if $(ONLY),--only $(ONLY)) --jobs $(JOBS) $(if $(STORE),--store $(STORE))
 
 lint: $(STAMP) ## ruff check + format check
 	$(VENV)/bin/ruff check .

@@ -210,6 +210,12 @@ class EmulatedNetwork:
                     _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *tbf_args(bps)])
             self.rates[i] = bps
 
+    def cut(self, node: int, cut: bool = True) -> None:
+        """Cut ``node`` off the switch (its port down on the bridge: nothing it sends arrives, nothing reaches it),
+        or (``cut=False``) connect it again. The node and its processes stay up and see their own link up: a
+        partition, not a death."""
+        _run(["ip", "-n", self.bridge_ns, "link", "set", f"p{node}", "down" if cut else "up"])
+
     def tx_bytes(self, node: int) -> int:
         """Bytes node ``node`` has sent on its link, read from /sys/class/net/eth0/statistics inside it."""
         out = _run([*self.prefix(node), "cat", f"/sys/class/net/{IFACE}/statistics/tx_bytes"])

@@ -2,12 +2,17 @@
 
     make bench-soak                                   # python -m bench.soak; about an hour for 1000 failures
     python -m bench.soak [--failures 1000] [--syncs allreduce,localsgd,dgc,sgp,diloco] [--nodes 3] [--epochs 150]
+                         [--store etcd|c10d]
 
 One run per sync option (in turn, each taking its share of the failures) under ``trainer.on_failure=continue``, on
-this machine: two ``torchrun`` nodes start it (node 0 hosts the c10d store, as torchrun's first node does, and is
-never failed), and the driver keeps the world at ``--nodes`` ranks with processes that join the running world
-(``trainer.join=true``, forked from a server that has imported the engine once, as the local launcher's workers
-are). Three steps after each change, a member other than rank 0 fails: ``kill -9`` (a node gone) or, every
+this machine, in ``--nodes`` node slots: two ``torchrun`` nodes start it and the driver fills the other slots, and
+keeps every slot filled, with processes that join the running world (``trainer.join=true``, forked from a server that
+has imported the engine once, as the local launcher's workers are). With ``--store etcd`` (the default where etcd is
+installed) the run's store is an etcd cluster of one member per slot (``trainer.store``; torchrun's etcd-v2
+rendezvous), and the victim of each failure is drawn uniformly over every slot, the first node's too: a node killed
+takes its member with it, and the process that joins in its place brings the member back. With ``--store c10d``
+node 0 hosts torch's store, as torchrun's first node does, and is never failed. Three steps after each change, a
+victim fails: ``kill -9`` (a node gone: its torchrun agent if it has one, its worker, its member) or, every
 ``--hang-every``-th time, SIGSTOP (a node that hangs; SIGCONT once the others gave it up, and it exits by itself).
 A process joins in its place at once. Every failure and every join is waited for in the run's records before the
 next one comes.
@@ -15,7 +20,9 @@ next one comes.
 Reported per run and in all: failures injected and survived (a ``rank_lost`` event names the rank), joins, steps
 recorded more than once or never (lost steps), the members' standstill per failure and per join (the gap between
 the last step completed before it and the first completed after, less the run's median step: median, p95, max),
-the final top-1 against an undisturbed run of the same config and length at ``--nodes`` ranks, and the wall time.
+the final top-1 against an undisturbed run of the same config and length at ``--nodes`` ranks, and the wall time;
+and how often the victim was the first node's slot, the logging rank (the lowest active one, which writes the
+records) and the etcd leader's node, with the standstill of those kills apart.
 Results: bench/results/soak.json and soak.md.
 """
 
@@ -28,6 +35,7 @@ import math
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, ROOT, machine, median
+from distributed.etcd import LocalCluster
 from engine.metrics import read_metrics
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -72,15 +81,28 @@ class Run:
         self.sync, self.args, self.run_dir = sync, args, workdir / sync
         self.run_dir.mkdir(parents=True)
         self.overrides = [*overrides(sync, args), f"trainer.run_dir={self.run_dir}"]
+        self.etcd: LocalCluster | None = None
+        if args.store == "etcd":
+            self.etcd = LocalCluster(str(workdir / f"{sync}-etcd"), members=args.nodes).start()
+            self.overrides.append(f"trainer.store='{self.etcd.url}'")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             env.pop(key, None)
         self.nodes = []
         for node in range(2):
+            if self.etcd is None:
+                rendezvous = [
+                    "c10d",
+                    "--rdzv-endpoint",
+                    f"127.0.0.1:{port}",
+                    "--rdzv-conf",
+                    f"is_host={int(node == 0)}",
+                ]
+            else:
+                rendezvous = ["etcd-v2", "--rdzv-endpoint", self.etcd.endpoint(node)]
             launcher = [
                 TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "0", "--monitor-interval", "0.5",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", sync,
-                "--rdzv-conf", f"is_host={int(node == 0)}",
+                "--rdzv-id", sync, "--rdzv-backend", *rendezvous,
             ]  # fmt: skip
             log = open(self.run_dir / f"node{node}.log", "w")
             self.nodes.append(
@@ -89,7 +111,9 @@ class Run:
                     stderr=subprocess.STDOUT, start_new_session=True,
                 )
             )  # fmt: skip
-        self.members: dict[int, int] = {}  # rank -> pid of its worker (rank 0 aside)
+        self.members: dict[int, int] = {}  # rank -> pid of its worker
+        self.slots: dict[int, int] = {}  # rank -> its node slot (0 and 1: torchrun's nodes; member i of etcd in slot i)
+        self.agents: dict[int, subprocess.Popen] = {}  # rank -> its torchrun agent, where it has one
         self._records: list[dict[str, Any]] = []
         self._read = 0  # bytes of metrics.jsonl read
         self.injected: list[dict[str, Any]] = []  # every failure and join, with its wall time
@@ -124,57 +148,75 @@ class Run:
             time.sleep(0.05)
         return True
 
-    def worker_of_node1(self) -> int:
-        out = subprocess.run(["pgrep", "-P", str(self.nodes[1].pid)], capture_output=True, text=True).stdout
+    def worker_of(self, node: int) -> tuple[int, int]:
+        """(pid, rank) of the worker under torchrun node ``node``."""
+        out = subprocess.run(["pgrep", "-P", str(self.nodes[node].pid)], capture_output=True, text=True).stdout
         for pid in map(int, out.split()):
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if b"\0RANK=1\0" in b"\0" + f.read():
-                    return pid
-        raise RuntimeError("no worker under node 1's torchrun")
+                environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            if b"RANK" in environ:
+                return pid, int(environ[b"RANK"])
+        raise RuntimeError(f"no worker under node {node}'s torchrun")
 
-    def spawn(self, ctx: Any, cfg: dict[str, Any]) -> tuple[Any, float, int]:
-        """Fork a process that joins (it asks once it has built its model); returns it, when, and the joins so far."""
+    def spawn(self, ctx: Any, cfg: dict[str, Any], slot: int) -> tuple[Any, float, int, int]:
+        """Fork a process that joins into node slot ``slot`` (it asks once it has built its model); returns it, when,
+        the joins so far and its slot."""
         process = ctx.Process(target=_joiner, args=(cfg, str(self.run_dir), str(self.run_dir / "joiners.log")))
         started, before = time.time(), len(self.events("rank_joined"))
         process.start()
         self.joiners.append(process)
-        return process, started, before
+        return process, started, before, slot
 
-    def admitted(self, spawned: tuple[Any, float, int]) -> bool:
+    def admitted(self, spawned: tuple[Any, float, int, int]) -> bool:
         """Wait until the process ``spawned`` is admitted; False if the run ended first."""
-        process, started, before = spawned
+        process, started, before, slot = spawned
         if not self.wait_for(lambda: len(self.events("rank_joined")) > before, 120, "a join"):
             return False
         event = self.events("rank_joined")[before]
         self.members[event["ranks"][0]] = process.pid
+        self.slots[event["ranks"][0]] = slot
         admission = event["time"] - event["admission_s"]  # (the others stand still from here, not from its start)
         self.injected.append({"kind": "join", "time": admission, "started": started, "rank": event["ranks"][0]})
         self.injected[-1]["event"] = event
         return True
 
     def fail(self, rng: random.Random, ctx: Any, cfg: dict[str, Any]) -> bool:
-        """Fail a member other than rank 0 and start a process in its place at once (it builds its model while the
-        others recover); wait until the others removed the one and admitted the other."""
+        """Fail a victim drawn over the node slots (the first node's only with the store on etcd) and start a process
+        in its place at once (it builds its model while the others recover); wait until the others removed the one
+        and admitted the other."""
         # A few steps first: the gap around each failure and each admission is then its own.
         trained = len([r for r in self.metrics() if r["kind"] == "train"])
         if not self.wait_for(
             lambda: len([r for r in self.metrics() if r["kind"] == "train"]) >= trained + 3, 60, "steps"
         ):
             return False
-        rank = rng.choice(sorted(self.members))
-        pid, before = self.members.pop(rank), len(self.events("rank_lost"))
+        candidates = sorted(r for r in self.members if self.etcd is not None or self.slots[r] != 0)
+        rank = rng.choice(candidates)
+        logging = rank == min(self.members)  # (the lowest active rank writes the records)
+        pid, slot, before = self.members.pop(rank), self.slots.pop(rank), len(self.events("rank_lost"))
+        agent = self.agents.pop(rank, None)
         hang = len(self.events("rank_lost")) % self.args.hang_every == self.args.hang_every - 1  # (every n-th)
+        leader = self.etcd is not None and self.etcd.leader() == slot
         at = time.time()
-        if rank == 1 and not hang:
-            os.killpg(self.nodes[1].pid, signal.SIGKILL)  # the node: its agent (torchrun's workers have a session
-        os.kill(pid, signal.SIGSTOP if hang else signal.SIGKILL)  # of their own) and its worker
-        print(f"bench.soak: {self.sync}: {'hang' if hang else 'kill'} of rank {rank} (pid {pid})", flush=True)
-        spawned = self.spawn(ctx, cfg)
+        if not hang:
+            if agent is not None:  # the node: its agent (torchrun's workers have a session of their own)...
+                os.killpg(agent.pid, signal.SIGKILL)
+            if self.etcd is not None:  # ...its etcd member...
+                self.etcd.kill(slot)
+        os.kill(pid, signal.SIGSTOP if hang else signal.SIGKILL)  # ...and its worker
+        what = f"{'hang' if hang else 'kill'} of rank {rank} (pid {pid}, slot {slot}{', logging' if logging else ''})"
+        print(f"bench.soak: {self.sync}: {what}", flush=True)
+        if self.etcd is not None and not hang:
+            self.etcd.restart(slot)  # (the node that takes its place brings its member back)
+        spawned = self.spawn(ctx, cfg, slot)
         removed = lambda: any(rank in e["ranks"] for e in self.events("rank_lost")[before:])  # noqa: E731
         if not self.wait_for(removed, self.args.hang_timeout + 60, f"rank {rank}'s removal"):
             return False
         event = next(e for e in self.events("rank_lost")[before:] if rank in e["ranks"])
-        self.injected.append({"kind": "hang" if hang else "kill", "time": at, "rank": rank, "event": event})
+        self.injected.append(
+            {"kind": "hang" if hang else "kill", "time": at, "rank": rank, "slot": slot, "logging": logging,
+             "leader": leader, "event": event}
+        )  # fmt: skip
         if hang:
             os.kill(pid, signal.SIGCONT)  # given up: it wakes, finds itself removed and exits
         return self.admitted(spawned)
@@ -193,6 +235,8 @@ class Run:
             if process.is_alive():
                 process.kill()
             process.join()
+        if self.etcd is not None:
+            self.etcd.stop()
 
 
 def standstill(steps: list[dict[str, Any]], at: float, step_s: float) -> float | None:
@@ -218,10 +262,12 @@ def soak(sync: str, share: int, args: argparse.Namespace, workdir: Path, port: i
     rng, run, started = random.Random(args.seed), Run(sync, args, workdir, port), time.time()
     try:
         run.wait_for(lambda: (run.run_dir / "join.json").exists() and run.metrics(), 300, "the run's start")
-        run.members[1] = run.worker_of_node1()
+        for node in range(2):
+            pid, rank = run.worker_of(node)
+            run.members[rank], run.slots[rank], run.agents[rank] = pid, node, run.nodes[node]
         cfg = config([*run.overrides, "trainer.join=true", "trainer.nproc=1"])
-        while len(run.members) + 1 < args.nodes:  # (the world the driver keeps)
-            if not run.admitted(run.spawn(ctx, cfg)):
+        while len(run.members) < args.nodes:  # (the world the driver keeps: a process in every slot)
+            if not run.admitted(run.spawn(ctx, cfg, len(run.members))):
                 break
         failures = 0
         while failures < share and not run.finished():
@@ -235,7 +281,20 @@ def soak(sync: str, share: int, args: argparse.Namespace, workdir: Path, port: i
         run.close()
     row = analyse(run.metrics())
     row.update(sync=sync, failures=len([i for i in run.injected if i["kind"] != "join"]), wall_s=time.time() - started)
+    row["victims"] = victims(run.injected, row.pop("pauses"))
     return row
+
+
+def victims(injected: list[dict[str, Any]], pauses: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each failure's victim (its rank, slot, whether it was the logging rank and the etcd leader's node) with the
+    standstill it cost (:func:`analyse`'s, matched by the ``rank_lost`` event)."""
+    by_event = {(p["time"], tuple(p["ranks"])): p["standstill_s"] for p in pauses}
+    return [
+        {k: i[k] for k in ("kind", "rank", "slot", "logging", "leader")}
+        | {"standstill_s": by_event.get((i["event"]["time"], tuple(i["event"]["ranks"])))}
+        for i in injected
+        if i["kind"] != "join"
+    ]
 
 
 def analyse(metrics: list[dict[str, Any]]) -> dict[str, Any]:
@@ -254,13 +313,16 @@ def analyse(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     step_s = median([r["step_s"] for r in steps])
     numbers = [r["step"] for r in steps]
     pauses: dict[str, list[float]] = {"kill": [], "hang": [], "join": []}
+    each: list[dict[str, Any]] = []  # every loss's standstill, by its event
     since = times[0]  # the first step after the previous admission
     for event in events:
         if event["event"] == "rank_lost":
             until = next((t for t in times if t > event["time"]), None)
             gaps = [b - a for a, b in zip(times, times[1:]) if a >= since and until is not None and b <= until]
             if gaps:
-                pauses["hang" if event["cause"] == "hung" else "kill"].append(max(0.0, max(gaps) - step_s))
+                pause = max(0.0, max(gaps) - step_s)
+                pauses["hang" if event["cause"] == "hung" else "kill"].append(pause)
+                each.append({"time": event["time"], "ranks": event["ranks"], "standstill_s": pause})
         elif event["event"] == "rank_joined":
             pause = standstill(steps, event["time"] - event["admission_s"], step_s)  # (they stand still from here)
             if pause is not None:
@@ -275,6 +337,7 @@ def analyse(metrics: list[dict[str, Any]]) -> dict[str, Any]:
         "steps": len(numbers),
         "median_step_s": step_s,
         "standstill_s": pauses,
+        "pauses": each,
         "top1": summary["top1"],
         "finished": summary["finished"],
     }
@@ -328,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hang-every", type=int, default=5, help="one failure in this many is a hang")
     parser.add_argument("--hang-timeout", type=float, default=3.0, help="trainer.hang_timeout_s")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--store", choices=("etcd", "c10d"), default="etcd" if shutil.which("etcd") else "c10d",
+        help="the run's store: an etcd cluster, a member per slot, every slot a victim (default where etcd is "
+        "installed); or torch's, in node 0, which is then never failed",
+    )  # fmt: skip
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument(
@@ -389,11 +457,35 @@ def write(head: dict[str, Any], rows: list[dict[str, Any]], out: Path) -> None:
         "standstill_s": {**spread(("kill", "hang")), "kill": spread(("kill",)), "hang": spread(("hang",))},
         "rows": rows,
     }
+    every = [v for r in rows if "error" not in r for v in r.get("victims", [])]
+    kills = [v for v in every if v["kind"] == "kill"]
+
+    def of(kind: str) -> dict[str, Any]:
+        values = [v["standstill_s"] for v in kills if v[kind] and v["standstill_s"] is not None]
+        return {"kills": len([v for v in kills if v[kind]]), "median_s": median(values),
+                "p95_s": percentile(values, 0.95), "max_s": max(values, default=None)}  # fmt: skip
+
+    for v in kills:
+        v["first_node"] = v["slot"] == 0
+    slots = sorted({v["slot"] for v in every})
+    result["victims"] = {
+        "by_slot": {str(slot): len([v for v in every if v["slot"] == slot]) for slot in slots},
+        "first_node": of("first_node"),  # (slot 0: torchrun's first node, which hosts torch's store when it is used)
+        "logging_rank": of("logging"),
+        "etcd_leader": of("leader"),
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "soak.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     text = table(rows)
     (out / "soak.md").write_text(text + "\n")
     print(text)
+    if every:
+        shares = ", ".join(f"slot {k}: {n}" for k, n in result["victims"]["by_slot"].items())
+        apart = "; ".join(
+            f"{name.replace('_', ' ')} {v['kills']} (median {v['median_s'] or 0:.2f} s)"
+            for name, v in result["victims"].items() if name != "by_slot"
+        )  # fmt: skip
+        print(f"bench.soak: victims by slot: {shares}; kills of the {apart}")
     print(f"bench.soak: {result['failures_survived']} of {result['failures_injected']} failures survived, "
           f"{result['wall_s'] / 60:.1f} min; results in {out}/soak.json and soak.md")  # fmt: skip
 

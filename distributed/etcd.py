@@ -265,34 +265,51 @@ class LocalCluster:
     ``i``): the shape of a real deployment, where killing a node kills its member too. Used by the tests, the chaos
     matrix and the benches; on a real cluster each member is started on its own node (examples/slurm/)."""
 
-    def __init__(self, directory: str, members: int = 3, heartbeat_ms: int = 50, election_ms: int = 500):
+    def __init__(
+        self,
+        directory: str,
+        members: int = 3,
+        heartbeat_ms: int = 50,
+        election_ms: int = 500,
+        hosts: list[str] | None = None,
+        spawn: Any = None,
+    ):
+        """``hosts``: member ``i``'s address (default: all on 127.0.0.1, on free ports; on hosts of their own, etcd's
+        ports 2379 and 2380); ``spawn(i, command, **popen_kwargs)`` starts member ``i`` (default: here; e.g. inside
+        an emulated node, ``bench.netns.EmulatedNetwork.popen``)."""
         os.makedirs(directory, exist_ok=True)
         self.directory, self.members = directory, members
         self.heartbeat_ms, self.election_ms = heartbeat_ms, election_ms
-        ports = []
-        holders = [socket.socket() for _ in range(2 * members)]
-        for s in holders:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-        for s in holders:
-            s.close()
-        self.client_ports, self.peer_ports = ports[:members], ports[members:]
+        self.hosts, self.local = hosts or ["127.0.0.1"] * members, not hosts
+        self.spawn = spawn or (lambda i, command, **kwargs: subprocess.Popen(command, start_new_session=True, **kwargs))
+        if hosts:
+            self.client_ports, self.peer_ports = [DEFAULT_PORT] * members, [DEFAULT_PORT + 1] * members
+        else:
+            holders = [socket.socket() for _ in range(2 * members)]
+            for s in holders:
+                s.bind(("127.0.0.1", 0))
+            ports = [s.getsockname()[1] for s in holders]
+            for s in holders:
+                s.close()
+            self.client_ports, self.peer_ports = ports[:members], ports[members:]
         self.processes: list[Any] = [None] * members
 
     @property
     def url(self) -> str:
-        return SCHEME + ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+        return SCHEME + ",".join(self.endpoint(i) for i in range(self.members))
 
     def endpoint(self, i: int) -> str:
-        return f"127.0.0.1:{self.client_ports[i]}"
+        return f"{self.hosts[i]}:{self.client_ports[i]}"
+
+    def _peer(self, i: int) -> str:
+        return f"http://{self.hosts[i]}:{self.peer_ports[i]}"
 
     def command(self, i: int) -> list[str]:
-        cluster = ",".join(f"m{j}=http://127.0.0.1:{p}" for j, p in enumerate(self.peer_ports))
+        cluster = ",".join(f"m{j}={self._peer(j)}" for j in range(self.members))
         return [
             "etcd", "--name", f"m{i}", "--data-dir", os.path.join(self.directory, f"m{i}"),
             "--listen-client-urls", f"http://{self.endpoint(i)}", "--advertise-client-urls", f"http://{self.endpoint(i)}",
-            "--listen-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
+            "--listen-peer-urls", self._peer(i), "--initial-advertise-peer-urls", self._peer(i),
             "--initial-cluster", cluster, "--initial-cluster-state", "new",
             "--initial-cluster-token", os.path.basename(self.directory.rstrip("/")) or "relaxsync",
             "--heartbeat-interval", str(self.heartbeat_ms), "--election-timeout", str(self.election_ms),
@@ -304,15 +321,22 @@ class LocalCluster:
         """Start every member; return once the cluster takes a write."""
         for i in range(self.members):
             log = open(os.path.join(self.directory, f"m{i}.log"), "ab")
-            self.processes[i] = subprocess.Popen(
-                self.command(i), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        store = EtcdStore(parse(self.url)[0], "up", reach_s=timeout_s)
-        store.set("up", "1")
+            self.processes[i] = self.spawn(i, self.command(i), stdout=log, stderr=subprocess.STDOUT)
+        if self.local:
+            EtcdStore(parse(self.url)[0], "up", reach_s=timeout_s).set("up", "1")
+            return self
+        # (members inside nodes of their own, which this process may not reach: a write from the first node)
+        endpoints = ",".join(self.endpoint(i) for i in range(self.members))
+        put = ["etcdctl", "--endpoints", endpoints, "--command-timeout=2s", "put", "/relaxsync/up", "1"]
+        deadline = time.monotonic() + timeout_s
+        while self.spawn(0, put, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).wait() != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd cluster {self.url} took no write in {timeout_s:.0f} s ({self.directory})")
+            time.sleep(0.2)
         return self
 
     def _status(self, i: int) -> dict[str, Any]:
-        return EtcdStore([("127.0.0.1", self.client_ports[i])], "status", reach_s=ATTEMPT_S)._call(
+        return EtcdStore([(self.hosts[i], self.client_ports[i])], "status", reach_s=ATTEMPT_S)._call(
             "maintenance/status", {}
         )
 
@@ -331,7 +355,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         while (current := self.leader()) != i:
             target = self._status(i)["header"]["member_id"]
-            EtcdStore([("127.0.0.1", self.client_ports[current])], "status")._call(
+            EtcdStore([(self.hosts[current], self.client_ports[current])], "status")._call(
                 "maintenance/transfer-leadership", {"targetID": target}
             )
             if time.monotonic() > deadline:
@@ -343,6 +367,12 @@ class LocalCluster:
         if process is not None and process.poll() is None:
             process.kill()
             process.wait()
+
+    def restart(self, i: int) -> None:
+        """Start member ``i`` again on its data (its node came back): it rejoins the cluster and catches up."""
+        self.kill(i)
+        log = open(os.path.join(self.directory, f"m{i}.log"), "ab")
+        self.processes[i] = self.spawn(i, self.command(i), stdout=log, stderr=subprocess.STDOUT)
 
     def stop(self) -> None:
         for i in range(self.members):

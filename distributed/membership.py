@@ -591,6 +591,9 @@ class StoreLoop:
         if self._thread.is_alive():
             self._thread.join()
 
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         while not self._done.is_set():
             try:

@@ -3,7 +3,9 @@ worker) or hung (``SIGSTOP`` of its worker, continued once the others gave it up
 every phase of the loop (:data:`tests._chaos_victim.PHASES`), under every sync option (:data:`OPTIONS`: each
 ``conf/sync`` option, the overlapped and streaming variants, and relaxed sync over other algorithms). A cell is one
 (option, phase, fault); its run is a multi-node job on this machine (one torchrun agent per node, one worker each,
-as the README's multi-node recipe), and it passes when:
+as the README's multi-node recipe) whose store is an etcd cluster of three members, one on each of the first nodes
+(``trainer.store``; a killed node's member dies with it), so that the victim may be any node, the first one too;
+``--store c10d`` runs on torch's store in node 0 instead, which then is never the victim. A cell passes when:
 
 - the run finishes with the right world (the initial ranks less the victims) and ``rank_lost`` names the victims;
 - every step is recorded once and in order, and each epoch has the steps its world size gives;
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from distributed.etcd import LocalCluster  # noqa: E402
 from engine.metrics import read_metrics  # noqa: E402
 from tests._chaos_victim import PHASES  # noqa: E402
 
@@ -135,11 +139,12 @@ class Plan:
     faults: dict[int, dict]  # node -> its victim's plan (tests/_chaos_victim.py)
 
     @classmethod
-    def draw(cls, cell: Cell, seed: int, out: Path) -> Plan:
+    def draw(cls, cell: Cell, seed: int, out: Path, store: str = "etcd") -> Plan:
         rng = random.Random(zlib.crc32(f"{seed}/{cell.name}".encode()))
         second = cell.phase in SECOND
         nodes = 4 if second else 3
-        victims = rng.sample(range(1, nodes), 2 if second else 1)  # never node 0: it hosts the store
+        # Any node, the first one too, under the run's store on etcd; under torch's store node 0 hosts it
+        victims = rng.sample(range(0 if store == "etcd" else 1, nodes), 2 if second else 1)
         first = {"fault": cell.fault, "phase": cell.phase, "report": str(out / f"fault-node{victims[0]}.json")}
         if cell.phase == "step":
             first |= {"step": rng.randint(3, 20), "delay_ms": rng.uniform(0, 40)}
@@ -196,17 +201,30 @@ def environment() -> dict[str, str]:
     return environ
 
 
-def start(node: int, plan: Plan, port: int, run_dir: Path, overrides: list[str]) -> subprocess.Popen:
+def start(
+    node: int, plan: Plan, port: int, run_dir: Path, overrides: list[str], etcd: LocalCluster | None = None
+) -> subprocess.Popen:
+    """Node ``node``'s torchrun agent and worker: on torch's c10d rendezvous and store (node 0 hosts both), or with
+    ``etcd`` on its etcd-v2 rendezvous and the run's store there (node ``i`` holds member ``i``, the last member
+    also serving the nodes after it; a victim node's member dies with it)."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     environ = environment()
+    if etcd is None:
+        rendezvous = ["c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"is_host={int(node == 0)}"]
+        store = []
+    else:
+        rendezvous = ["etcd-v2", "--rdzv-endpoint", etcd.endpoint(min(node, etcd.members - 1))]
+        store = [f"trainer.store='{etcd.url}'"]
     if node in plan.faults:
-        environ["CHAOS_PLAN"] = json.dumps(plan.faults[node])
+        fault = dict(plan.faults[node])
+        if etcd is not None and node < etcd.members and fault["fault"] == "kill":
+            fault["member_pid"] = etcd.processes[node].pid
+        environ["CHAOS_PLAN"] = json.dumps(fault)
     launcher = [
         torchrun, "--nnodes", str(plan.nodes), "--nproc-per-node", "1", "--max-restarts", "0",
-        "--monitor-interval", "0.5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-        "--rdzv-id", run_dir.name, "--rdzv-conf", f"is_host={int(node == 0)}",
+        "--monitor-interval", "0.5", "--rdzv-id", run_dir.name, "--rdzv-backend", *rendezvous,
     ]  # fmt: skip
-    script = [str(ROOT / "tests" / "_chaos_victim.py"), *overrides, f"trainer.run_dir={run_dir}"]
+    script = [str(ROOT / "tests" / "_chaos_victim.py"), *overrides, *store, f"trainer.run_dir={run_dir}"]
     log = open(run_dir.parent / f"node{node}.log", "w")
     return subprocess.Popen(
         [*launcher, *script], cwd=ROOT, env=environ, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -229,39 +247,55 @@ def kinds(records: list[dict], kind: str) -> list[dict]:
     return [r for r in records if r["kind"] == kind]
 
 
-def run_cell(cell: Cell, seed: int, out: Path, timeout: float = 300) -> Result:
+def default_store() -> str:
+    """etcd where it is installed (any node may be the victim), else torch's store (never node 0)."""
+    return "etcd" if shutil.which("etcd") else "c10d"
+
+
+def run_cell(cell: Cell, seed: int, out: Path, timeout: float = 300, store: str | None = None) -> Result:
     """One run of ``cell``; its logs in ``out/<cell name>``. A job that never started training (its rendezvous
     failed, before any fault) is started once more, and the result says so."""
-    result = _run_cell(cell, seed, out, timeout)
+    store = store or default_store()
+    result = _run_cell(cell, seed, out, timeout, store)
     if not result.ok and not result.fired and not result.steps_recorded:
-        result = _run_cell(cell, seed, out, timeout)
+        result = _run_cell(cell, seed, out, timeout, store)
         result.restarted = True
     return result
 
 
-def _run_cell(cell: Cell, seed: int, out: Path, timeout: float) -> Result:
+def _run_cell(cell: Cell, seed: int, out: Path, timeout: float, store: str) -> Result:
     log_dir = out / cell.name.replace(":", "_")
     if log_dir.exists():
         subprocess.run(["rm", "-rf", str(log_dir)], check=True)
     log_dir.mkdir(parents=True)
     run_dir = log_dir / "run"
-    plan = Plan.draw(cell, seed, log_dir)
+    plan = Plan.draw(cell, seed, log_dir, store)
     overrides = [*BASE, *OPTIONS[cell.option].overrides]
     if cell.phase in SECOND:
         overrides.append("trainer.eval_every_steps=null")  # (4 ranks: fewer steps; fewer parts to wait through)
     (log_dir / "plan.json").write_text(
         json.dumps(
-            {"cell": cell.name, "seed": seed, "nodes": plan.nodes, "faults": plan.faults, "overrides": overrides},
+            {
+                "cell": cell.name,
+                "seed": seed,
+                "nodes": plan.nodes,
+                "faults": plan.faults,
+                "overrides": overrides,
+                "store": store,
+            },  # fmt: skip
             indent=1,
         )
     )
     started = time.monotonic()
     port = free_port()
-    agents = [start(node, plan, port, run_dir, overrides) for node in range(plan.nodes)]
+    etcd = LocalCluster(str(log_dir / "etcd")).start() if store == "etcd" else None
+    agents = [start(node, plan, port, run_dir, overrides, etcd) for node in range(plan.nodes)]
     result = Result(cell.name, seed, False, log_dir=str(log_dir))
     try:
         result.problems = watch(cell, plan, agents, run_dir, log_dir, timeout, result)
     finally:
+        if etcd is not None:
+            etcd.stop()
         for agent in agents:
             if agent.poll() is None:
                 for pid in workers(agent):
@@ -400,17 +434,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="cells run at once (each is 3-4 processes)")
     parser.add_argument("--out", type=Path, default=ROOT / "chaos")
     parser.add_argument("--list", action="store_true", help="print the cells and exit")
+    parser.add_argument(
+        "--store", choices=("etcd", "c10d"), default=default_store(),
+        help="the run's store: an etcd cluster, any node a victim (default where etcd is installed), or torch's",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     cells = [Cell.parse(name) for name in args.only] or draw(matrix(), args.seed, args.n)
     if args.list:
         print("\n".join(c.name for c in cells))
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"chaos: {len(cells)} of {len(matrix())} cells, seed {args.seed}, {args.jobs} at a time; logs in {args.out}")
+    print(
+        f"chaos: {len(cells)} of {len(matrix())} cells, seed {args.seed}, {args.jobs} at a time, store {args.store}; "
+        f"logs in {args.out}"
+    )
     results: list[Result] = []
 
     def one(cell: Cell) -> Result:
-        result = run_cell(cell, args.seed, args.out)
+        result = run_cell(cell, args.seed, args.out, store=args.store)
         mark = ("ok  " if result.ok else "FAIL") + ("*" if result.restarted else " ")
         where = "; ".join(
             f"rank {f.get('rank')} {f.get('fault')} in {' > '.join(f.get('where', []))} at step {f.get('step')}"

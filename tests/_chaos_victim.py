@@ -1,7 +1,8 @@
 """The worker script of a chaos run (``tests/_chaos.py``): ``train.py`` as torchrun starts it, with a fault planted
 in the worker of a victim node. The plan comes from ``$CHAOS_PLAN`` (JSON; set on the victims' nodes only):
 
-- ``fault``: ``kill`` (the node goes: its torchrun agent and this worker, ``SIGKILL``) or ``hang`` (this worker
+- ``fault``: ``kill`` (the node goes: its torchrun agent, this worker and, at ``member_pid``, its etcd member,
+  ``SIGKILL``) or ``hang`` (this worker
   stops itself with ``SIGSTOP``; the harness continues it once the others have given it up);
 - ``phase``: where the fault lands, one of :data:`PHASES`; ``step``: not before this step; ``delay_ms``: how long
   after the phase's start (a moment inside it); ``nth``: which collective of the step (phase ``exchange``);
@@ -106,6 +107,8 @@ class Injector:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         if self.fault == "kill":
+            if self.plan.get("member_pid"):  # (the run's store on etcd: the node's member goes with it)
+                os.kill(self.plan["member_pid"], signal.SIGKILL)
             os.kill(os.getppid(), signal.SIGKILL)  # the node goes: its agent, then this worker
             os.kill(os.getpid(), signal.SIGKILL)
         else:

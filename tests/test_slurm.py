@@ -19,6 +19,7 @@ from engine.metrics import read_metrics
 
 SCRIPT = ROOT / "scripts" / "local-slurm.sh"
 REQUIRED = os.environ.get("RELAXSYNC_REQUIRE_SLURM") == "1"
+NO_ETCD = shutil.which("etcd") is None and not os.environ.get("RELAXSYNC_REQUIRE_ETCD")  # (CI installs it)
 RUN = ["model=test_resnet", "data=digits", "logger=none", "trainer.progress=false", "trainer.max_steps=3"]
 
 
@@ -274,12 +275,24 @@ def _task_pid(job: str, rank: int) -> int | None:
     return None
 
 
-def test_a_task_killed_under_srun_is_survived_by_the_others_with_on_failure_continue(slurm, tmp_path):
-    """``srun -n3`` with ``trainer.on_failure=continue``: task 2 is killed with ``kill -9`` mid-run; srun keeps the
-    others running (its default ``--kill-on-bad-exit=0``), and they agree it died, regroup and finish every step."""
+@pytest.mark.parametrize(
+    "store",
+    [
+        pytest.param("c10d", marks=pytest.mark.full),  # (~16 s; make test: the same loss, of task 0, under etcd)
+        pytest.param("etcd", marks=pytest.mark.skipif(NO_ETCD, reason="no etcd (apt install etcd-server)")),
+    ],
+)  # fmt: skip
+def test_a_task_killed_under_srun_is_survived_by_the_others_with_on_failure_continue(slurm, tmp_path, store):
+    """``srun -n3`` with ``trainer.on_failure=continue``: a task is killed with ``kill -9`` mid-run; srun keeps the
+    others running (its default ``--kill-on-bad-exit=0``), and they agree it died, regroup and finish every step.
+    With torch's store (in task 0) that is task 2; with the run's store on etcd (``trainer.store``) it is task 0,
+    the first node's, which under torch's store would have taken the store with it."""
     import signal
     import time
 
+    from distributed.etcd import LocalCluster
+
+    victim = 0 if store == "etcd" else 2
     run_dir = tmp_path / "continue"
     overrides = [
         "model=test_resnet",
@@ -292,35 +305,41 @@ def test_a_task_killed_under_srun_is_survived_by_the_others_with_on_failure_cont
         "trainer.on_failure=continue",
         "trainer.hang_timeout_s=5",
         "straggler=sleep",
-        "straggler.ranks=[2]",
+        f"straggler.ranks=[{victim}]",
         "straggler.sleep_s=0.3",
         f"trainer.run_dir={run_dir}",
     ]  # fmt: skip  (16 steps per epoch at 3 ranks, 24 at 2)
-    command = ["srun", "-N2", "-n3", "--kill-on-bad-exit=0", sys.executable, str(ROOT / "train.py"), *overrides]
-    out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    job_run = subprocess.Popen(command, cwd=ROOT, env=slurm, **out)
-    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
-    while not (metrics.exists() and len(records(read_metrics(str(metrics)), "train")) >= 5):
-        assert time.monotonic() < deadline and job_run.poll() is None, job_run.communicate()[0][-3000:]
-        time.sleep(0.2)
-    job = next(e for e in records(read_metrics(str(metrics)), "event") if e["event"] == "world")
-    assert job["launcher"] == "srun" and job["world_size"] == 3
-    squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm, capture_output=True, text=True).stdout.split()
-    pid = next(p for j in squeue if (p := _task_pid(j, 2)) is not None)
-    os.kill(pid, signal.SIGKILL)
-    output = job_run.communicate(timeout=240)[0]
+    etcd = LocalCluster(str(tmp_path / "etcd")).start() if store == "etcd" else None
+    if etcd is not None:
+        overrides.append(f"trainer.store='{etcd.url}'")
+    try:
+        command = ["srun", "-N2", "-n3", "--kill-on-bad-exit=0", sys.executable, str(ROOT / "train.py"), *overrides]
+        out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+        job_run = subprocess.Popen(command, cwd=ROOT, env=slurm, **out)
+        metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
+        while not (metrics.exists() and len(records(read_metrics(str(metrics)), "train")) >= 5):
+            assert time.monotonic() < deadline and job_run.poll() is None, job_run.communicate()[0][-3000:]
+            time.sleep(0.2)
+        job = next(e for e in records(read_metrics(str(metrics)), "event") if e["event"] == "world")
+        assert job["launcher"] == "srun" and job["world_size"] == 3
+        squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm, capture_output=True, text=True).stdout.split()
+        pid = next(p for j in squeue if (p := _task_pid(j, victim)) is not None)
+        os.kill(pid, signal.SIGKILL)
+        output = job_run.communicate(timeout=240)[0]
+    finally:
+        if etcd is not None:
+            etcd.stop()
 
     rows = read_metrics(str(metrics))
     (lost,) = [e for e in records(rows, "event") if e["event"] == "rank_lost"]
-    assert lost["ranks"] == [2] and lost["cause"] == "died" and lost["world_size"] == 2, output[-3000:]
+    assert lost["ranks"] == [victim] and lost["cause"] == "died" and lost["world_size"] == 2, output[-3000:]
     (summary,) = records(rows, "summary")
-    assert summary["finished"] and summary["world_size"] == 2 and summary["lost_ranks"] == [2]
+    assert summary["finished"] and summary["world_size"] == 2 and summary["lost_ranks"] == [victim]
     assert [r["step"] for r in records(rows, "train")] == list(range(summary["steps"]))
     assert summary["replica_spread"] == 0.0
-    assert "task 2: Killed" in output and output.count("Traceback") == 0, output[-3000:]
+    assert f"task {victim}: Killed" in output and output.count("Traceback") == 0, output[-3000:]
 
 
-@pytest.mark.full  # ~30 s; make test: test_train's multirun (one world per sweep point) and the srun/sbatch jobs here
 def test_a_multirun_sends_each_sweep_point_to_slurm_as_a_job_of_its_workers(slurm, tmp_path):
     """``train.py -m hydra/launcher=slurm sync=allreduce,localsgd``: two Slurm jobs (hydra-submitit-launcher), each
     of ``trainer.nproc`` tasks that form its world, and the sweep's comparison table of both."""

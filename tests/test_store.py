@@ -9,14 +9,16 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import threading
 import time
 
 import pytest
 import torch.distributed as dist
-from conftest import records
+from conftest import FAST, ROOT, records
 from test_scope import NODE_KILL
 
+from bench.netns import unavailable as netns_unavailable
 from distributed.etcd import EtcdStore, LocalCluster, parse, store_root
 
 # CI installs etcd-server (.ci/run) and then requires these tests to run
@@ -123,12 +125,68 @@ def test_it_survives_a_minority_and_refuses_without_a_majority(cluster):
         s.add("n", 1)
 
 
+def _guard(store: EtcdStore, hang_timeout_s: float):
+    """Rank 0's surviving guard (of 2 ranks) over ``store``, with a stand-in for the trainer."""
+    import types
+
+    from distributed.membership import Membership
+    from engine.elastic.guard import SurvivingGuard
+
+    membership = Membership(0, 2)
+    membership._store = store
+    host = types.SimpleNamespace(recorder=types.SimpleNamespace(observers=[]), run=types.SimpleNamespace(step=5))
+    return SurvivingGuard(membership, hang_timeout_s, host)
+
+
+def test_a_rank_cut_off_from_the_stores_majority_trains_nothing_more_and_stops(cluster, monkeypatch):
+    """Its beats stop reaching the store (the two other members gone: this rank's side of a partition holds no
+    majority): the next part of the loop does not run, and after ``hang_timeout_s`` of asking the rank stops with a
+    line that says why. (On the other side, the majority gives it up after its silence: the partition test.)"""
+    from engine.elastic.failures import StoreUnreachable
+    from engine.elastic.heartbeat import FENCE_S
+    from engine.elastic.positions import Phase
+
+    monkeypatch.setenv("RELAXSYNC_STORE", cluster.url)
+    store = EtcdStore.from_url(cluster.url, "fence")
+    store.reach_s = 1.0
+    guard = _guard(store, hang_timeout_s=1.0)
+    guard.start()
+    ran = []
+    try:
+        guard.run(Phase.STEP, lambda: ran.append("before"), 1)
+        cluster.kill(1)
+        cluster.kill(2)
+        deadline = time.monotonic() + 20
+        while guard.failures.heartbeat.silent_for() <= FENCE_S:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with pytest.raises(StoreUnreachable, match="has no majority on this side"):
+            guard.run(Phase.STEP, lambda: ran.append("after"), 1)
+    finally:
+        guard.stop()
+    assert ran == ["before"]
+
+
+def test_a_rank_whose_beats_were_late_goes_on_once_the_store_answers_and_nobody_was_removed(cluster, monkeypatch):
+    """A beat late for another reason (a busy machine, an election) costs one store read and nothing more."""
+    from engine.elastic.heartbeat import FENCE_S
+    from engine.elastic.positions import Phase
+
+    monkeypatch.setenv("RELAXSYNC_STORE", cluster.url)
+    guard = _guard(EtcdStore.from_url(cluster.url, "late"), hang_timeout_s=1.0)
+    monkeypatch.setattr(guard.failures.heartbeat, "silent_for", lambda: FENCE_S + 1)
+    ran = []
+    guard.run(Phase.STEP, lambda: ran.append("step"), 1)
+    assert ran == ["step"]
+
+
 # ---- runs that lose the store's host -------------------------------------------------------------------------------
-def kill_node(node, worker_pid: int, etcd: LocalCluster, member: int) -> None:
-    """``kill -9`` of a node: its torchrun agent, its worker and its etcd member."""
+def kill_node(node, worker_pid: int, etcd: LocalCluster, member: int | None) -> None:
+    """``kill -9`` of a node: its torchrun agent, its worker and its etcd member (if it has one)."""
     os.killpg(node.pid, signal.SIGKILL)
     os.kill(worker_pid, signal.SIGKILL)
-    etcd.kill(member)
+    if member is not None:
+        etcd.kill(member)
 
 
 KILL_SEED = int(os.environ.get("CHAOS_SEED", int(time.time() // 86400)))  # (the day's, as tests/test_chaos.py)
@@ -177,3 +235,106 @@ def test_the_node_of_rank_0_and_of_the_stores_leader_is_killed_and_the_others_fi
     steps = [r["step"] for r in records(metrics, "train")]
     assert steps == list(range(summary["steps"]))  # every step once: none lost with the logging rank, none twice
     assert summary["replica_spread"] == 0.0
+
+
+@pytest.mark.full  # ~40 s; make test: rank 0's node killed among three (above)
+def test_in_a_ring_of_four_the_node_of_rank_0_is_killed_and_the_three_others_finish(tmp_path):
+    """Four nodes, three etcd members (on the first three; the fourth node's agent speaks to the third's): rank 0's
+    node is killed with its member where it has one. In gloo's ring rank 2 exchanges with ranks 1 and 3 only, and
+    learns of the loss from the others' check-ins; the three finish with every step once, one replica."""
+    from test_faults import finish, start_nodes, wait_for_train_steps, worker_of
+
+    run_dir = tmp_path / "run"
+    overrides = [
+        *FAST, "data.num_samples=1024", "data.num_val_samples=64", "trainer.epochs=2", "sync=allreduce",
+        "trainer.on_failure=continue", "trainer.hang_timeout_s=120",
+    ]  # fmt: skip
+    with LocalCluster(str(tmp_path / "etcd")) as etcd:
+        nodes = start_nodes(4, run_dir, *overrides, etcd=etcd)
+        try:
+            wait_for_train_steps(run_dir, 5)
+            victim = next(i for i, node in enumerate(nodes) if worker_of(node)[1] == 0)
+            killed_at = time.time()
+            kill_node(nodes[victim], worker_of(nodes[victim])[0], etcd, victim if victim < etcd.members else None)
+            metrics = finish([n for i, n in enumerate(nodes) if i != victim], run_dir)
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
+    assert lost["ranks"] == [0] and lost["world_size"] == 3 and lost["noticed"] == "ended", lost
+    assert lost["time"] - killed_at < 60, lost  # (seen once it ended, not at the 120 s deadline)
+    (summary,) = records(metrics, "summary")
+    assert summary["finished"] and summary["ranks"] == [1, 2, 3] and summary["replica_spread"] == 0.0
+    assert [r["step"] for r in records(metrics, "train")] == list(range(summary["steps"]))
+
+
+NETNS = netns_unavailable()
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, ended and not yet reaped by its agent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.full  # ~1 min; make test: a rank cut off from the majority stops (above), and rank 0's node killed
+@pytest.mark.skipif(NETNS is not None, reason=f"no emulated network here: {NETNS}")
+def test_a_node_cut_off_stops_and_the_majority_finishes_with_no_step_recorded_twice(tmp_path):
+    """Three nodes in network namespaces, each with its torchrun agent, its worker and its etcd member; under local
+    SGD (steps without a collective between averagings, so a cut-off rank could go on alone) the node of rank 0, the
+    logging rank, is cut off the switch: alive, unreachable. The side without the cluster's majority stops with a
+    line that says so and writes nothing more; the majority removes it after its silence and finishes, every step
+    in metrics.jsonl once."""
+    from test_faults import SHRINK, TORCHRUN, env, finish, tail, wait_for_train_steps, worker_of
+
+    from bench.netns import EmulatedNetwork
+
+    run_dir = tmp_path / "run"
+    with EmulatedNetwork(3) as net:
+        hosts = [net.address(i) for i in range(3)]
+        etcd = LocalCluster(str(tmp_path / "etcd"), hosts=hosts, spawn=net.popen).start()
+        overrides = [
+            *SHRINK,
+            "sync=localsgd",
+            "sync.k_steps=8",
+            f"trainer.store='{etcd.url}'",
+            f"trainer.run_dir={run_dir}",
+        ]
+        nodes = []
+        for i in range(3):
+            launcher = [
+                TORCHRUN, "--nnodes", "3", "--nproc-per-node", "1", "--max-restarts", "0", "--monitor-interval", "0.5",
+                "--rdzv-id", run_dir.name, "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd.endpoint(i),
+                "--local-addr", hosts[i],
+            ]  # fmt: skip
+            log = open(tmp_path / f"run-node{i}.log", "w")
+            environ = dict(env(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="eth0")
+            nodes.append(
+                net.popen(
+                    i, [*launcher, "train.py", *overrides], cwd=ROOT, env=environ, stdout=log, stderr=subprocess.STDOUT
+                )
+            )
+        wait_for_train_steps(run_dir, 8)
+        victim = next(i for i, node in enumerate(nodes) if worker_of(node)[1] == 0)
+        worker_pid = worker_of(nodes[victim])[0]
+        net.cut(victim)
+        cut_at = time.time()
+        metrics = finish([n for i, n in enumerate(nodes) if i != victim], run_dir)
+        deadline = time.monotonic() + 60
+        while running(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not running(worker_pid), "the cut-off worker still runs:\n" + tail(run_dir)
+        victim_log = (tmp_path / f"run-node{victim}.log").read_text()
+
+    assert "has no majority on this side" in victim_log, victim_log[-3000:]
+    (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
+    assert lost["ranks"] == [0] and lost["noticed"] == "silence" and lost["time"] - cut_at < 30, lost
+    (summary,) = records(metrics, "summary")
+    assert summary["finished"] and summary["ranks"] == [1, 2] and summary["lost_ranks"] == [0]
+    steps = [r["step"] for r in records(metrics, "train")]
+    assert steps == list(range(summary["steps"]))  # no step recorded by both sides, none lost between them

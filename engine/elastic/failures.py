@@ -94,6 +94,23 @@ class StoreUnreachable(RuntimeError):
     """The c10d store cannot be reached to agree through: its host is gone, and no survivor can go on."""
 
 
+def unreachable(rank: int, what: str, error: BaseException) -> StoreUnreachable:
+    """The error of a rank that cannot reach the store (``what`` it was doing), saying what that means."""
+    if os.environ.get(STORE_ENV):  # (etcd answers only where a majority of its members is)
+        where = (
+            "the etcd cluster of trainer.store has no majority on this side: this rank is cut off from the others, "
+            "which go on without it if they hold the majority. It stops rather than train on as a second run"
+        )
+    else:
+        where = (
+            "the store lives with torchrun's agent on the first node, which is probably gone too. Continue from the "
+            "last checkpoint with trainer.resume=auto (trainer.store=etcd://... survives any node)"
+        )
+    return StoreUnreachable(
+        f"rank {rank} {what} cannot reach the c10d store to agree with the others ({error}); {where}"
+    )
+
+
 def is_collective_failure(error: BaseException) -> bool:
     """Whether ``error``'s text says a peer went away (a closed connection, a timed-out collective)."""
     return isinstance(error, RuntimeError) and (TIMED_OUT.search(str(error)) or DIED.search(str(error))) is not None
@@ -129,21 +146,7 @@ class Failures:
         except dist.DistError as store_error:
             if self._store_answers():  # a survivor went away during the agreement (a key it never wrote, the new
                 raise  # group's first collective): another loss, which the caller agrees on in turn
-            if os.environ.get(STORE_ENV):  # (etcd answers only where a majority of its members is)
-                where = (
-                    "the etcd cluster of trainer.store has no majority on this side: this rank is cut off from the "
-                    "others, which go on without it if they hold the majority. It stops rather than train as a "
-                    "second run"
-                )
-            else:
-                where = (
-                    "the store lives with torchrun's agent on the first node, which is probably gone too. Continue "
-                    "from the last checkpoint with trainer.resume=auto (trainer.store=etcd://... survives any node)"
-                )
-            raise StoreUnreachable(
-                f"rank {self.membership.rank} lost a peer at step {at.step} and cannot reach the c10d store to agree "
-                f"with the others ({store_error}); {where}"
-            ) from error
+            raise unreachable(self.membership.rank, f"lost a peer at step {at.step} and", store_error) from error
         if recovery is None:  # (raised out here: an NCCL error is a DistError too, and is not the store's)
             raise error
         return recovery
@@ -158,7 +161,7 @@ class Failures:
     def _recover(self, error: BaseException, at: Position) -> Recovery | None:
         m, generation = self.membership, self.membership.generation
         cause = "died" if DIED.search(str(error)) else "hung"
-        agreed = self._decided(generation)  # (decided without this rank: it was hung, or it is late)
+        agreed = self.decided(generation)  # (decided without this rank: it was hung, or it is late)
         if agreed is None:
             arrived = self._check_in(generation, m.rank, cause)
             gone, undecided = self._silent_peers(generation, decider=arrived <= DECIDERS)
@@ -168,7 +171,7 @@ class Failures:
                     f"{self.hang_timeout_s + SILENT_S:.0f} s: no peer is gone"
                 )
                 return None
-            agreed = self._decided(generation)
+            agreed = self.decided(generation)
         if agreed is None:
             # A survivor waiting on another survivor times out even when the peer died: it died if anyone saw
             # its connection close.
@@ -218,7 +221,7 @@ class Failures:
             return recv_state(recovery.source, m.group)
         return None
 
-    def _decided(self, generation: int) -> dict[str, Any] | None:
+    def decided(self, generation: int) -> dict[str, Any] | None:
         """What the survivors of ``generation``'s failure agreed, if one of them has decided yet."""
         decision = self._key(generation, "decision")
         return json.loads(self.membership.store.get(decision)) if self.membership.store.check([decision]) else None

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from algorithms.base import SyncReport
 from distributed.comm import tensor_bytes
 from distributed.membership import Membership, host_names
-from engine.elastic.failures import Failures, may_be_a_loss
+from engine.elastic.failures import Failures, may_be_a_loss, unreachable
+from engine.elastic.heartbeat import BEAT_S, FENCE_S
 from engine.elastic.positions import Entry, Phase, Position, Site
 
 HISTORY = 4096  # records kept for a peer that falls behind by a collective and must write them
@@ -86,6 +87,8 @@ class SurvivingGuard:
                 raise RuntimeError(f"entered the {phase.value} at step {step}, not {entering.position.step}")
             self._entering = None
         self._at = Entry(Position(step, phase), site, carry or {})
+        if self.failures.heartbeat.silent_for() > FENCE_S:
+            self._fence(epoch)
         while True:
             try:
                 result = part()
@@ -108,6 +111,29 @@ class SurvivingGuard:
                 return part()
             except CatchUp:
                 pass  # this rank now holds the front's state: enter where the front is
+
+    def _fence(self, epoch: int) -> None:
+        """This rank's beats have not reached the store for :data:`FENCE_S`: it may be cut off from the others, who
+        give it up after :data:`SILENT_S`. Nothing more is trained or written here (a step on its own, a record, a
+        checkpoint) until the store answers: then, if the others agreed on a failure meanwhile, this rank joins that
+        agreement (and leaves, if it was removed); if the store does not answer within ``hang_timeout_s``, this rank
+        is on the side without the store and stops (:class:`StoreUnreachable`)."""
+        failures = self.failures
+        m, heartbeat = failures.membership, failures.heartbeat
+        deadline = time.monotonic() + failures.hang_timeout_s
+        while True:
+            try:
+                decided = failures.decided(m.generation)
+                break
+            except Exception as error:  # (DistNetworkError, or whatever the store's client raises)
+                if time.monotonic() > deadline:
+                    silent = heartbeat.silent_for()
+                    what = f"has not reached the store for {silent:.0f} s at step {self.host.run.step} and"
+                    raise unreachable(m.rank, what, error) from None
+                time.sleep(BEAT_S)
+        heartbeat.revive()
+        if decided is not None:  # (the others agreed on a failure while this rank was away: removed, or one of them)
+            self._survive(RuntimeError("relaxsync: the store was out of reach while the others agreed"), epoch)
 
     # ---- recovery ---------------------------------------------------------------------------------------------
     def _survive(self, error: BaseException, epoch: int) -> None:

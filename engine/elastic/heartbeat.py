@@ -16,6 +16,9 @@ from distributed.presence import Presence, ring_neighbours
 BEAT_S = 0.2  # heartbeat period
 SILENT_S = 2.0  # a rank that has not beaten for this long (10 beats) is gone
 WATCHED = 16  # peers whose beats one heartbeat tick reads, in turn (all of them every tick up to 17 ranks)
+# A rank whose beats have not reached the store for this long may be on the side of a partition that the others are
+# about to give up (after SILENT_S): it stops where it is until the store answers again (engine/elastic/guard.py).
+FENCE_S = SILENT_S / 2
 
 
 class Heartbeat:
@@ -38,6 +41,7 @@ class Heartbeat:
         self._next = 0  # where among the active ranks the next tick's reads begin
         self.presence: Presence | None = None  # this rank's port and its watch on its neighbours' processes
         self._neighbours_of: list[int] | None = None  # the active ranks the presence's watch was worked out for
+        self.beaten_at: float | None = None  # when a beat last reached the store (time.monotonic)
 
     def key(self, rank: int) -> str:
         return self.membership.key(f"beat/{rank}")
@@ -57,6 +61,7 @@ class Heartbeat:
 
         def beat(store: Any) -> bool:
             store.add(own, 1)
+            self.beaten_at = time.monotonic()
             try:
                 self._watch_neighbours()
                 self._watch(store)
@@ -65,7 +70,19 @@ class Heartbeat:
                 pass
             return False  # beat until stopped
 
+        self._beat, self.beaten_at = beat, time.monotonic()  # (silent from here until a beat reaches the store)
         self._loop = self.membership.every(BEAT_S, beat, "relaxsync-heartbeat").start()
+
+    def silent_for(self) -> float:
+        """Seconds since this rank's last beat reached the store, or since it started beating (0 when not beating)."""
+        if self._loop is None or self.beaten_at is None:
+            return 0.0
+        return time.monotonic() - self.beaten_at
+
+    def revive(self) -> None:
+        """Beat again after the store stopped answering (the loop ends at a store error) and answers again."""
+        if self._loop is not None and not self._loop.running():
+            self._loop = self.membership.every(BEAT_S, self._beat, "relaxsync-heartbeat").start()
 
     def _watch_neighbours(self) -> None:
         """Have the presence watch this rank's ring neighbours among the active ranks, worked out again only when
