@@ -206,12 +206,12 @@ class Run:
         os.kill(pid, signal.SIGSTOP if hang else signal.SIGKILL)  # ...and its worker
         what = f"{'hang' if hang else 'kill'} of rank {rank} (pid {pid}, slot {slot}{', logging' if logging else ''})"
         print(f"bench.soak: {self.sync}: {what}", flush=True)
-        if self.etcd is not None and not hang:
-            self.etcd.restart(slot)  # (the node that takes its place brings its member back)
         spawned = self.spawn(ctx, cfg, slot)
         removed = lambda: any(rank in e["ranks"] for e in self.events("rank_lost")[before:])  # noqa: E731
         if not self.wait_for(removed, self.args.hang_timeout + 60, f"rank {rank}'s removal"):
             return False
+        if self.etcd is not None and not hang:
+            self.etcd.restart(slot)  # (the node that takes its place brings its member back)
         event = next(e for e in self.events("rank_lost")[before:] if rank in e["ranks"])
         self.injected.append(
             {"kind": "hang" if hang else "kill", "time": at, "rank": rank, "slot": slot, "logging": logging,

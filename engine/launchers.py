@@ -100,8 +100,14 @@ def slurm_job(env: os._Environ | dict = os.environ) -> str | None:
     return env["SLURM_JOB_ID"] if "SLURM_JOB_ID" in env and "TORCHELASTIC_RUN_ID" not in env else None
 
 
+WORLD_ENV = "RELAXSYNC_WORLD"
+
+
 def world_id(env: os._Environ | dict = os.environ) -> str:
-    """The identity of this process's world, the same on each of its ranks and after a restart or requeue."""
+    """The identity of this process's world, the same on each of its ranks and after a restart or requeue; on a
+    process that joined a run (``trainer.join``), that run's (``RELAXSYNC_WORLD``, from its join.json)."""
+    if env.get(WORLD_ENV):
+        return env[WORLD_ENV]
     job = slurm_job(env)
     return f"slurm-{job}" if job is not None else f"torchelastic-{env.get('TORCHELASTIC_RUN_ID', 'none')}"
 

@@ -4,6 +4,7 @@ writes, the other reads back as it was, every key either party builds is its own
 from __future__ import annotations
 
 import json
+import types
 
 from distributed.membership import Change, Membership
 from engine.elastic.records import Admission, Decision, Keys, NodeTicket, Notice, Offer, ticket_rank, whole_nodes
@@ -56,3 +57,22 @@ def test_the_changes_reader_hands_each_change_once_from_when_it_was_made():
     m.changes.append(Change(2, [], [0, 1, 3], "joined", [3]))
     m.changes.append(Change(3, [1], [0, 3], "slow"))
     assert [c.generation for c in follow.take()] == [2, 3] and follow.take() == []
+
+
+def test_a_joiner_is_of_the_runs_world_and_finds_its_store_on_etcd(tmp_path, monkeypatch):
+    """join.json carries the run's world, so that a joiner that comes to log (the logging rank lost) holds the run
+    dir as the run's own, not as a second world; and the run's store where it is an etcd cluster."""
+    from engine.elastic.records import JoinFile
+    from engine.launchers import WORLD_ENV, world_id
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.setenv("RELAXSYNC_STORE", "etcd://a:1,b:2")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    membership = types.SimpleNamespace(prefix="p", initial_size=3, backend="gloo",
+                                       store=types.SimpleNamespace(root="job7/restart0"))  # fmt: skip
+    JoinFile.of(membership).write(str(tmp_path))
+    where = JoinFile.read(str(tmp_path))
+    assert (where.world, where.store, where.store_root) == ("torchelastic-job7", "etcd://a:1,b:2", "job7/restart0")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv(WORLD_ENV, where.world)  # (what joiner_membership sets from it)
+    assert world_id() == "torchelastic-job7"

@@ -27,6 +27,7 @@ from engine.elastic.guard import SurvivingGuard
 from engine.elastic.handover import Receiving, receive_advance
 from engine.elastic.positions import Phase, Site
 from engine.elastic.records import Admission, JoinFile, Keys, NodeTicket, Notice, Offer, ticket_rank
+from engine.launchers import WORLD_ENV
 
 
 def joiner_membership(run_dir: str, hang_timeout_s: float, timeout_s: float) -> Membership:
@@ -38,6 +39,8 @@ def joiner_membership(run_dir: str, hang_timeout_s: float, timeout_s: float) -> 
             f"trainer.join=true: no {JoinFile.path(run_dir)}: the run to join writes it once it trains "
             f"(trainer.on_failure=continue); give its run dir with trainer.run_dir"
         ) from None
+    if where.world:  # (one world with the run's: it may come to hold the run dir as its logging rank)
+        os.environ[WORLD_ENV] = where.world
     if where.backend == "nccl":  # (its groups survive failures as the members' do: joins are under continue only)
         os.environ.update(nccl_environment(True))
     deadline = datetime.timedelta(seconds=hang_timeout_s)

@@ -15,6 +15,7 @@ from typing import Any
 
 from distributed.etcd import STORE_ENV
 from distributed.membership import Membership
+from engine.launchers import world_id
 
 JOIN_FILE = "join.json"
 
@@ -100,6 +101,7 @@ class JoinFile:
     backend: str
     store: str = ""  # trainer.store's URL, where the run's store is an etcd cluster
     store_root: str = ""  # and the run's place in it
+    world: str = ""  # the run's world (engine.launchers.world_id): a joiner that comes to log holds the run dir as it
 
     @staticmethod
     def path(run_dir: str) -> str:
@@ -125,9 +127,8 @@ class JoinFile:
         if not ((address and port) or etcd) or not membership.backend:
             return None
         root = getattr(membership.store, "root", "") if etcd else ""
-        return cls(
-            address or "", int(port or 0), membership.prefix, membership.initial_size, membership.backend, etcd, root
-        )
+        m = membership
+        return cls(address or "", int(port or 0), m.prefix, m.initial_size, m.backend, etcd, root, world_id())
 
 
 @dataclass(frozen=True)
