@@ -259,7 +259,7 @@ def soak(sync: str, share: int, args: argparse.Namespace, workdir: Path, port: i
     """One run with ``share`` failures (fewer if it ends first), and what its records say."""
     from bench.common import config
 
-    rng, run, started = random.Random(args.seed), Run(sync, args, workdir, port), time.time()
+    rng, run, started = random.Random(f"{args.seed}/{sync}"), Run(sync, args, workdir, port), time.time()
     try:
         run.wait_for(lambda: (run.run_dir / "join.json").exists() and run.metrics(), 300, "the run's start")
         for node in range(2):

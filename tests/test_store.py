@@ -192,12 +192,10 @@ def kill_node(node, worker_pid: int, etcd: LocalCluster, member: int | None) -> 
 KILL_SEED = int(os.environ.get("CHAOS_SEED", int(time.time() // 86400)))  # (the day's, as tests/test_chaos.py)
 
 
-def _case(sync: str):
-    return pytest.param(sync, marks=() if sync == "allreduce" else pytest.mark.full)
-
-
-# make test: allreduce (its in-backward exchange the most entangled with a loss); test-full: every option
-@pytest.mark.parametrize("sync", [_case(s) for s in NODE_KILL])
+# All in make test-full (~25 s each); make test: rank 0's task killed under srun with the store on etcd
+# (test_slurm.py), the daily chaos cell (on etcd, node 0 among the victims) and the fence's unit test above
+@pytest.mark.full
+@pytest.mark.parametrize("sync", list(NODE_KILL))
 def test_the_node_of_rank_0_and_of_the_stores_leader_is_killed_and_the_others_finish(tmp_path, sync):
     """Three torchrun nodes on an etcd-v2 rendezvous, the run's store the 3-member cluster (one per node). The node
     that holds rank 0 (the logging rank, torchrun's first node) is killed with its agent, its worker and its etcd
@@ -237,7 +235,7 @@ def test_the_node_of_rank_0_and_of_the_stores_leader_is_killed_and_the_others_fi
     assert summary["replica_spread"] == 0.0
 
 
-@pytest.mark.full  # ~40 s; make test: rank 0's node killed among three (above)
+@pytest.mark.full  # ~40 s; make test: rank 0's task killed under srun (test_slurm.py), the daily chaos cell
 def test_in_a_ring_of_four_the_node_of_rank_0_is_killed_and_the_three_others_finish(tmp_path):
     """Four nodes, three etcd members (on the first three; the fourth node's agent speaks to the third's): rank 0's
     node is killed with its member where it has one. In gloo's ring rank 2 exchanges with ranks 1 and 3 only, and
@@ -282,7 +280,7 @@ def running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.full  # ~1 min; make test: a rank cut off from the majority stops (above), and rank 0's node killed
+@pytest.mark.full  # ~1 min; make test: a rank cut off from the majority stops (above), rank 0's task killed
 @pytest.mark.skipif(NETNS is not None, reason=f"no emulated network here: {NETNS}")
 def test_a_node_cut_off_stops_and_the_majority_finishes_with_no_step_recorded_twice(tmp_path):
     """Three nodes in network namespaces, each with its torchrun agent, its worker and its etcd member; under local
