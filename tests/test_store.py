@@ -181,6 +181,14 @@ def test_a_rank_whose_beats_were_late_goes_on_once_the_store_answers_and_nobody_
 
 
 # ---- runs that lose the store's host -------------------------------------------------------------------------------
+def stop_nodes(nodes: list[subprocess.Popen]) -> None:
+    """Whatever is left of a test's torchrun nodes (the survivors' agents wait in torchrun's exit barrier)."""
+    for node in nodes:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+        node.wait()
+
+
 def kill_node(node, worker_pid: int, etcd: LocalCluster, member: int | None) -> None:
     """``kill -9`` of a node: its torchrun agent, its worker and its etcd member (if it has one)."""
     os.killpg(node.pid, signal.SIGKILL)
@@ -218,10 +226,7 @@ def test_the_node_of_rank_0_and_of_the_stores_leader_is_killed_and_the_others_fi
             kill_node(nodes[victim], worker_of(nodes[victim])[0], etcd, victim)
             metrics = finish([n for i, n in enumerate(nodes) if i != victim], run_dir)
         finally:
-            for node in nodes:
-                if node.poll() is None:
-                    os.killpg(node.pid, signal.SIGKILL)
-                node.wait()
+            stop_nodes(nodes)
 
     (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
     assert lost["ranks"] == [0] and lost["cause"] == "died" and lost["world_size"] == 2, lost
@@ -256,10 +261,7 @@ def test_in_a_ring_of_four_the_node_of_rank_0_is_killed_and_the_three_others_fin
             kill_node(nodes[victim], worker_of(nodes[victim])[0], etcd, victim if victim < etcd.members else None)
             metrics = finish([n for i, n in enumerate(nodes) if i != victim], run_dir)
         finally:
-            for node in nodes:
-                if node.poll() is None:
-                    os.killpg(node.pid, signal.SIGKILL)
-                node.wait()
+            stop_nodes(nodes)
     (lost,) = [e for e in records(metrics, "event") if e["event"] == "rank_lost"]
     assert lost["ranks"] == [0] and lost["world_size"] == 3 and lost["noticed"] == "ended", lost
     assert lost["time"] - killed_at < 60, lost  # (seen once it ended, not at the 120 s deadline)
