@@ -387,7 +387,11 @@ def _join_in_averaging(role: int, port: int, out: str, joiner_dies: bool) -> Non
     m.cancel_ahead()
 
 
-@pytest.mark.parametrize("joiner_dies", [False, True], ids=["held", "joiner-gone"])
+@pytest.mark.parametrize(
+    "joiner_dies",
+    [False, pytest.param(True, marks=pytest.mark.full)],  # (~17 s; make test: held, and a process lost mid-join
+    ids=["held", "joiner-gone"],  # in test_a_joining_process_whose_sender_is_lost_...)
+)
 def test_a_process_admitted_at_an_averaging_takes_its_model_in_it_bit_for_bit(tmp_path, joiner_dies):
     """The averaging that ends at the admission step runs over the members and the process they admit, on the group
     formed ahead: it adds -0.0 (nothing, bit for bit) and takes the members' sum divided by their count, so it has

@@ -290,6 +290,7 @@ def test_runs_as_a_worker_under_torchrun(tmp_path):
     assert "relaxsync: finished at step 3" in (tmp_path / "train.log").read_text()
 
 
+@pytest.mark.full  # ~14 s; make test: test_network's two-node torchrun job (the same c10d rendezvous, in namespaces)
 def test_two_node_torchrun_rendezvous_on_localhost(tmp_path):
     """Two torchrun agents (one per 'node') meeting at a c10d rendezvous endpoint: the multi-node path."""
     port = _free_port()
