@@ -173,13 +173,15 @@ class Failures:
                 return None
             agreed = self.decided(generation)
         if agreed is None:
-            # A survivor waiting on another survivor times out even when the peer died: it died if anyone saw
-            # its connection close.
+            # What the first survivor to check in saw (check-ins are kept in order): its collective failed on its
+            # own. Those after it may have been woken by it, and a wait woken by cutting the group's connections
+            # reads as a closed connection although the peer only hung; a survivor waiting on another survivor
+            # times out although the peer died, which the first one, beside the dead peer, saw close.
             seen = [c for r, c in self._checked_in(generation).items() if r not in gone]
             closed = ended(m.store, m.key)
             proposal = {
                 "ranks": gone,
-                "cause": "died" if "died" in seen or (gone and set(gone) <= closed) else "hung",
+                "cause": "died" if seen[:1] == ["died"] or (gone and set(gone) <= closed) else "hung",
                 # how the survivors knew: every removed rank's process was seen to end, or some fell silent
                 "noticed": "ended" if gone and set(gone) <= closed else "silence",
                 "step": at.step,
