@@ -42,6 +42,8 @@ DEFAULT_PORT = 2379
 ATTEMPT_S = 2.0  # one request to one member; etcd answers a write within its election time or says why not
 REACH_S = 6.0  # every member tried, again and again, before the store counts as unreachable
 POLL_S = (0.002, 0.01)  # a wait's first and longest pause between reads (a read: ~1.5 ms here)
+MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: a transaction of more operations is refused
+MAX_TXN_BYTES = 1 << 20  # under etcd's default --max-request-bytes (1.5 MiB), with room for the JSON around it
 _THREAD = threading.local()  # each thread's connections, one per member
 _KEPT: list[EtcdStore] = []  # clones, alive with the process (EtcdStore.clone)
 
@@ -164,12 +166,14 @@ class EtcdStore(dist.Store):
         return self._marks + self._client.encode() + b"/" + _bytes(key)
 
     def _range(self, keys: list[bytes]) -> list[dict[str, Any] | None]:
-        """Each key's record (``value``, ``mod_revision``), or None where it is absent: one transaction."""
-        answer = self._call("kv/txn", {"success": [{"request_range": {"key": _b64(k)}} for k in keys]})
+        """Each key's record (``value``, ``mod_revision``), or None where it is absent: one transaction per
+        ``MAX_TXN_OPS`` keys (a world's beats, one key per rank, are read in one call of the Store API)."""
         out: list[dict[str, Any] | None] = []
-        for response in answer.get("responses", []):
-            kvs = response.get("response_range", {}).get("kvs") or []
-            out.append(kvs[0] if kvs else None)
+        for start in range(0, len(keys), MAX_TXN_OPS):
+            reads = [{"request_range": {"key": _b64(k)}} for k in keys[start : start + MAX_TXN_OPS]]
+            for response in self._call("kv/txn", {"success": reads}).get("responses", []):
+                kvs = response.get("response_range", {}).get("kvs") or []
+                out.append(kvs[0] if kvs else None)
         return out
 
     # -- the Store API -----------------------------------------------------------------------------------------
@@ -177,8 +181,20 @@ class EtcdStore(dist.Store):
         self._call("kv/put", {"key": _b64(self._key(key)), "value": _b64(_bytes(value))})
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        puts = [{"request_put": {"key": _b64(self._key(k)), "value": _b64(_bytes(v))}} for k, v in zip(keys, values)]
-        self._call("kv/txn", {"success": puts})
+        """The keys set in order: one transaction per ``MAX_TXN_OPS`` keys or ``MAX_TXN_BYTES`` of them (so a
+        reader that waits for the last key finds every other one set)."""
+        puts: list[dict[str, Any]] = []
+        size = 0
+        for k, v in zip(keys, values):
+            put = {"request_put": {"key": _b64(self._key(k)), "value": _b64(_bytes(v))}}
+            grown = size + len(put["request_put"]["key"]) + len(put["request_put"]["value"])
+            if puts and (len(puts) == MAX_TXN_OPS or grown > MAX_TXN_BYTES):
+                self._call("kv/txn", {"success": puts})
+                puts, grown = [], grown - size
+            puts.append(put)
+            size = grown
+        if puts:
+            self._call("kv/txn", {"success": puts})
 
     def get(self, key: str) -> bytes:
         return self.multi_get([key])[0]

@@ -70,6 +70,19 @@ def test_the_store_has_tcpstores_semantics(cluster):
         s.get("never")  # (after the store's timeout, 1 s)
 
 
+def test_a_thousand_ranks_keys_are_read_and_written_in_one_call_past_etcds_transaction_limits(cluster):
+    """A world's beats (a key per rank) in one ``multi_get``, and a ``multi_set`` larger than etcd's request
+    limit: etcd refuses a transaction of more than 128 operations (``--max-txn-ops``) or 1.5 MiB."""
+    s = EtcdStore.from_url(cluster.url, "many")
+    keys = [f"beat/{r}" for r in range(1024)]
+    s.multi_set(keys, [str(r) for r in range(1024)])
+    assert s.multi_get(keys) == [str(r).encode() for r in range(1024)]
+    assert s.check(keys) and not s.check([*keys, "beat/1024"])
+    big = [bytes([65 + i]) * 400_000 for i in range(6)]  # (2.4 MB in all)
+    s.multi_set([f"big/{i}" for i in range(6)], big)
+    assert s.multi_get([f"big/{i}" for i in range(6)]) == big
+
+
 def test_a_gloo_group_forms_over_it(cluster):
     store = EtcdStore.from_url(cluster.url, "gloo")
     group = dist.ProcessGroupGloo(dist.PrefixStore("g/", store.clone()), 0, 1, datetime.timedelta(seconds=10))
