@@ -40,6 +40,7 @@ side, alternating which goes first. Results: bench/results/membership.json, memb
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import importlib.util
@@ -52,7 +53,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -111,11 +112,17 @@ class CountingStore:
         return counted
 
 
-def client(port: int) -> Any:
+def client(address: int | str) -> Any:
+    """A client of the store at ``address``: a ``TCPStore``'s port here, or an etcd cluster's URL
+    (``--store etcd``: ``distributed/etcd.py``'s ``EtcdStore``, as a worker under ``trainer.store`` opens it)."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=600)
-    return dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout, wait_for_workers=False)
+    if isinstance(address, str):
+        from distributed.etcd import EtcdStore
+
+        return EtcdStore.from_url(address, "bench", timeout)
+    return dist.TCPStore("127.0.0.1", address, None, False, timeout=timeout, wait_for_workers=False)
 
 
 def raise_file_limit() -> None:
@@ -134,8 +141,10 @@ def serve() -> None:
     sys.stdin.read()
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+def cpu_s(pid: int | list[int]) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads); of several, summed."""
+    if isinstance(pid, list):
+        return sum(cpu_s(p) for p in pid)
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -274,7 +283,7 @@ class Shard:
             "agreement_keys": sum(k for _, k in own),
             "beat_calls": sum(sum(c.values()) for c, _ in beats),
             "beat_keys": sum(k for _, k in beats),
-            "ticks": sum(c.get("add", 0) for c, _ in beats),  # one add of the rank's own counter per tick
+            "ticks": sum(c.get("set", 0) + c.get("add", 0) for c, _ in beats),  # a write of its own counter a tick
             "cpu_s": time.process_time(),
         }
 
@@ -492,15 +501,39 @@ def one(args: argparse.Namespace) -> None:
     def report(stage: str, what: dict[str, Any]) -> None:
         print(f"{stage} " + json.dumps({**what, "failures_code": version}), flush=True)
 
+    pids = [int(p) for p in args.server_pid.split(",")] if args.server_pid else None
     result = simulate(
-        n, args.port, killed, args.warmup, args.window, args.limit, args.hang_timeout, args.processes,
-        args.server_pid, path, report,
+        n, args.store_url or args.port, killed, args.warmup, args.window, args.limit, args.hang_timeout,
+        args.processes, pids, path, report,
     )  # fmt: skip
     report("result", result)
     os._exit(0)
 
 
-def run_size(n: int, rev: str | None, args: argparse.Namespace) -> dict[str, Any]:
+@contextlib.contextmanager
+def serving(store: str, env: dict[str, str] | None = None) -> Iterator[tuple[list[str], list[int]]]:
+    """The store's server(s) for one measurement: ``tcp``, a ``TCPStore`` in a process of its own (as torchrun's
+    agent holds it); ``etcd``, a cluster of three etcd members (``distributed.etcd.LocalCluster``, its data in
+    memory). Yields the arguments that name it to ``--one``/``--capacity`` and the server processes' pids."""
+    if store == "etcd":
+        from distributed.etcd import LocalCluster
+
+        with tempfile.TemporaryDirectory(prefix="membership-etcd-") as directory:
+            with LocalCluster(directory, members=3) as cluster:
+                yield ["--store-url", cluster.url], [p.pid for p in cluster.processes]
+        return
+    server = subprocess.Popen(
+        [sys.executable, "-m", "bench.membership", "--serve"], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        yield ["--port", server.stdout.readline().decode().strip()], [server.pid]
+    finally:
+        server.stdin.close()
+        server.wait()
+
+
+def run_size(n: int, rev: str | None, args: argparse.Namespace, store: str = "tcp") -> dict[str, Any]:
     """Start the store's server and the simulation of ``n`` ranks (engine/failures.py at ``rev``, or the working
     tree's), each in processes of their own; return the simulation's result, or as much of it as it reached within
     ``--setup-limit`` + ``--warmup`` + ``--window`` + ``--limit`` seconds.
@@ -509,18 +542,10 @@ def run_size(n: int, rev: str | None, args: argparse.Namespace) -> dict[str, Any
     leaves about one lookup in 25 unanswered for 5 s: its processes are told to give up after 1 s (``RES_OPTIONS``),
     which only shortens the setup (the name is for c10d's own logs)."""
     env = dict(os.environ, RES_OPTIONS="timeout:1 attempts:1")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "bench.membership", "--serve"],
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    try:
-        port = int(server.stdout.readline())
+    with serving(store, env) as (address, pids):
         command = [
-            sys.executable, "-m", "bench.membership", "--one", str(n), "--port", str(port),
-            "--server-pid", str(server.pid), "--kill", str(args.kill), "--warmup", str(args.warmup),
+            sys.executable, "-m", "bench.membership", "--one", str(n), *address,
+            "--server-pid", ",".join(map(str, pids)), "--kill", str(args.kill), "--warmup", str(args.warmup),
             "--window", str(args.window), "--limit", str(args.limit), "--hang-timeout", str(args.hang_timeout),
             "--processes", str(args.processes),
         ]  # fmt: skip
@@ -542,16 +567,16 @@ def run_size(n: int, rev: str | None, args: argparse.Namespace) -> dict[str, Any
         if "connected" in stages:
             return {"n": n, "error": f"no steady state within {budget:.0f} s", **json.loads(stages["connected"])}
         return {"n": n, "error": err[-2000:] or f"no result within {budget:.0f} s"}
-    finally:
-        server.stdin.close()
-        server.wait()
 
 
 # ---- what the store's server can serve -------------------------------------------------------------------------
-def capacity(port: int, server_pid: int, threads: int = 8, seconds: float = 3.0) -> list[dict[str, Any]]:
+def capacity(
+    port: int | str, server_pid: int | list[int], threads: int = 8, seconds: float = 3.0
+) -> list[dict[str, Any]]:
     """What the server at ``port`` serves when ``threads`` connections ask as fast as they can (the client side, one
-    process here, may be the limit: the server's CPU says which): calls/s and keys/s of single-key ``add``, and of
-    ``multi_get`` and ``check`` of 1023 keys, what a heartbeat tick that reads every peer asks at 1024 ranks."""
+    process here, may be the limit: the server's CPU says which): calls/s and keys/s of single-key ``add`` and ``set``
+    (a beat), of ``multi_get`` of 16 keys (a heartbeat tick's read) and of ``multi_get`` and ``check`` of 1023 keys,
+    what a heartbeat tick that read every peer would ask at 1024 ranks."""
     first = client(port)
     stores = [first.clone() for _ in range(threads)]
     keys = [f"relaxsync/restart0/membership0/beat/{r}" for r in range(1023)]
@@ -559,6 +584,8 @@ def capacity(port: int, server_pid: int, threads: int = 8, seconds: float = 3.0)
         first.add(key, 1)
     asks = {
         "add": (lambda store, i: store.add(f"relaxsync/restart0/membership0/beat/{i}", 1), 1),
+        "set": (lambda store, i: store.set(f"relaxsync/restart0/membership0/beat/{i}", "1"), 1),  # (a beat)
+        "multi_get of 16": (lambda store, i: store.multi_get(keys[:16]), 16),  # (a heartbeat tick's read)
         "multi_get of 1023": (lambda store, i: store.multi_get(keys), len(keys)),
         "check of 1023": (lambda store, i: store.check(keys), len(keys)),
     }
@@ -591,32 +618,19 @@ def capacity(port: int, server_pid: int, threads: int = 8, seconds: float = 3.0)
     return rows
 
 
-def run_capacity() -> list[dict[str, Any]]:
-    server = subprocess.Popen(
-        [sys.executable, "-m", "bench.membership", "--serve"], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
-    try:
-        port = int(server.stdout.readline())
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "bench.membership",
-                "--capacity",
-                "--port",
-                str(port),
-                "--server-pid",
-                str(server.pid),
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        return json.loads(out.stdout.splitlines()[-1])
-    finally:
-        server.stdin.close()
-        server.wait()
+def run_capacity(store: str = "tcp") -> list[dict[str, Any]]:
+    with serving(store) as (address, pids):
+        command = [
+            sys.executable,
+            "-m",
+            "bench.membership",
+            "--capacity",
+            *address,
+            "--server-pid",
+            ",".join(map(str, pids)),
+        ]
+        out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        return [{**row, "store": store} for row in json.loads(out.stdout.splitlines()[-1])]
 
 
 # ---- what forming a real group costs -------------------------------------------------------------------------------
@@ -674,20 +688,22 @@ def table(rows: list[dict[str, Any]]) -> str:
         return "–" if value is None or value != value else fmt.format(value)
 
     lines = [
-        "| engine/failures.py | ranks | store calls/s | keys/s | calls per rank per tick | keys per rank per tick | "
-        "beats per rank/s | server CPU | decided median (s) | decided max (s) | last recovered (s) | "
-        "agreed on the killed rank | agreement's calls per survivor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| engine/failures.py | store | ranks | store calls/s | keys/s | calls per rank per tick | "
+        "keys per rank per tick | beats per rank/s | server CPU | decided median (s) | decided max (s) | "
+        "last recovered (s) | agreed on the killed rank | agreement's calls per survivor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         code = r.get("failures_code", r["code"])[:7] + ("*" if "uncommitted" in r.get("failures_code", "") else "")
         s, f = r.get("steady"), r.get("failure")
+        store = r.get("store", "tcp")
         if s is None:
-            lines.append(f"| {code} | {r['n']} | {r['error'].splitlines()[-1][:200]} |" + " |" * 10)
+            lines.append(f"| {code} | {store} | {r['n']} | {r['error'].splitlines()[-1][:200]} |" + " |" * 10)
             continue
         steady = (
-            f"| {code} | {r['n']} | {s['calls_per_s']:,.0f} | {s['keys_per_s']:,.0f} | {s['calls_per_tick']:.2f} | "
-            f"{s['keys_per_tick']:.1f} | {s['beats_per_rank_s']:.2f} | {s['server_cpu']:.2f} |"
+            f"| {code} | {store} | {r['n']} | {s['calls_per_s']:,.0f} | {s['keys_per_s']:,.0f} | "
+            f"{s['calls_per_tick']:.2f} | {s['keys_per_tick']:.1f} | {s['beats_per_rank_s']:.2f} | "
+            f"{s['server_cpu']:.2f} |"
         )
         if f is None:
             lines.append(f"{steady} {r['error']} | | | | |")
@@ -713,8 +729,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (agree, asked) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for code in sorted({r.get("failures_code", r["code"])[:7] for r in rows}):
-        mine = sorted((r for r in rows if r.get("failures_code", r["code"])[:7] == code), key=lambda r: r["n"])
+
+    def line_of(r: dict[str, Any]) -> str:
+        return r.get("failures_code", r["code"])[:7] + (" etcd" if r.get("store") == "etcd" else "")
+
+    for code in sorted({line_of(r) for r in rows}):
+        mine = sorted((r for r in rows if line_of(r) == code), key=lambda r: r["n"])
         done = [r for r in mine if r.get("failure") and r["failure"]["all_finished"]]
         line = agree.plot(
             [r["n"] for r in done], [r["failure"]["decided_s"]["max"] for r in done], "o-", label=f"{code}: decided"
@@ -764,6 +784,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="64,256,1024", help="numbers of simulated ranks")
     parser.add_argument("--code", default="tree", help="engine/failures.py to run: tree (the working tree's), git revs")
+    parser.add_argument(
+        "--store", default="tcp", help="the store(s), one row each: tcp (torch's TCPStore), etcd (a 3-member cluster)"
+    )
     parser.add_argument("--kill", type=int, default=1, help="ranks that fail at once (from the middle rank on)")
     parser.add_argument("--warmup", type=float, default=30.0, help="seconds of heartbeats before the window")
     parser.add_argument("--window", type=float, default=5.0, help="seconds over which the steady state is counted")
@@ -779,7 +802,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--capacity", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--server-pid", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--store-url", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--server-pid", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--failures-from", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
@@ -789,35 +813,42 @@ def main(argv: list[str] | None = None) -> int:
         one(args)
         return 0
     if args.capacity:
-        print(json.dumps(capacity(args.port, args.server_pid)), flush=True)
+        pids = [int(p) for p in args.server_pid.split(",")]
+        print(json.dumps(capacity(args.store_url or args.port, pids)), flush=True)
         return 0
     started = time.perf_counter()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     versions = [c for c in args.code.split(",") if c]
+    stores = [s for s in args.store.split(",") if s]
+    for store in stores:
+        if store not in ("tcp", "etcd"):
+            parser.error(f"--store: {store!r} is not one of tcp, etcd")
     command = "python -m bench.membership " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = []
     for i, n in enumerate(sizes):
-        for code in versions if i % 2 == 0 else versions[::-1]:
-            print(f"bench.membership: {n} ranks, engine/failures.py {code}", flush=True)
+        for code, store in [(c, s) for c in versions for s in stores][:: 1 if i % 2 == 0 else -1]:
+            print(f"bench.membership: {n} ranks, engine/failures.py {code}, store {store}", flush=True)
             load = os.getloadavg()[0]  # (other work on the machine, for the record)
-            row = {"code": code, "command": command.strip(), **run_size(n, None if code == "tree" else code, args)}
+            row = {"code": code, "store": store, "command": command.strip()}
+            row.update(run_size(n, None if code == "tree" else code, args, store))
             row["load_average"] = [load, os.getloadavg()[0]]  # (1 min, before and after)
             row["limit_s"] = args.limit
             rows.append(row)
             print(json.dumps(row), flush=True)
     groups = form_group_cost([int(s) for s in args.form_group.split(",") if s]) if args.form_group else []
-    served = run_capacity() if args.server_capacity else []
+    served = [row for store in stores for row in run_capacity(store)] if args.server_capacity else []
     out = Path(args.out)
     result = {"benchmark": "membership", "machine": machine(), "rows": [], "form_group": []}
     if args.merge and (out / "membership.json").exists():
         result = json.loads((out / "membership.json").read_text())
-    ran = {(r["code"], r["n"]) for r in rows}
-    result["rows"] = [r for r in result["rows"] if (r["code"], r["n"]) not in ran] + rows
-    result["rows"].sort(key=lambda r: (r["n"], r["code"] != "tree", r["code"]))
+    ran = {(r["code"], r["n"], r["store"]) for r in rows}
+    result["rows"] = [r for r in result["rows"] if (r["code"], r["n"], r.get("store", "tcp")) not in ran] + rows
+    result["rows"].sort(key=lambda r: (r["n"], r["code"] != "tree", r["code"], r.get("store", "tcp")))
     if groups:
         result["form_group"] = groups
     if served:
-        result["capacity"] = served
+        kept = [row for row in result.get("capacity", []) if row.get("store", "tcp") not in stores]
+        result["capacity"] = kept + served
     result["machine"] = machine()
     out.mkdir(parents=True, exist_ok=True)
     (out / "membership.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -102,7 +102,7 @@ class EtcdStore(dist.Store):
         self._data = f"/relaxsync/{self.root}/k/".encode()
         self._marks = f"/relaxsync/{self.root}/m/".encode()
         self._client, self._seq = uuid.uuid4().hex[:12], itertools.count(1)
-        self._at = 0  # the member asked first
+        self._at = int(self._client, 16) % len(self.endpoints)  # the member asked first: the processes spread over all
         self.set_timeout(timeout)
 
     @classmethod
