@@ -22,11 +22,20 @@ from typing import Any
 START_METHOD = "forkserver"
 WORKER_PRELOAD = ["engine.worker", "sklearn.datasets"]  # the engine (torch, timm); the digits loader
 MONITOR_S = 0.1  # how often the agent looks at its workers
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (the repository: engine/'s parent)
 
 
 def start_worker_server() -> None:
     """Start the fork server (once per process) and let it import the workers' modules in the background; it is
-    stopped when this process exits."""
+    stopped when this process exits.
+
+    The server is a new interpreter whose ``sys.path`` is its own, the current directory first (Python 3.11 does not
+    give it the launcher's), so the repository goes on ``PYTHONPATH``: ``python /path/to/train.py`` run from another
+    directory would otherwise have the server's imports fail, silently, and each worker import the engine itself,
+    after the launcher gave it its rank (``engine.worker.adopt_environment`` then took the rank for the server's)."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if ROOT not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *paths])
     multiprocessing.get_context(START_METHOD).set_forkserver_preload(WORKER_PRELOAD)
     multiprocessing.forkserver.ensure_running()
     atexit.unregister(stop_worker_server)  # (once, however many launches)

@@ -62,7 +62,11 @@ def exit_if_left(result: WorkerResult) -> WorkerResult:
 
 def adopt_environment(launcher_env: dict[str, str], inherited: dict[str, str] = INHERITED_ENV) -> None:
     """Give this worker the launcher's environment as it is at this launch, not as it was when the fork server
-    started (a multirun job's ``hydra.job.env_set``, a variable set since), keeping what the agent set for it."""
+    started (a multirun job's ``hydra.job.env_set``, a variable set since), keeping what the agent set for it.
+    Where this module was imported in the worker itself (the fork server could not: ``engine.launch``), what it
+    found was the agent's already, and nothing is taken away."""
+    if "LOCAL_RANK" in inherited:
+        inherited = {}
     for key in set(launcher_env) | set(inherited):
         if os.environ.get(key) != inherited.get(key):
             continue  # the agent set it for this worker

@@ -76,18 +76,22 @@ def test_allreduce_bytes_world_size_and_wandb_offline(tmp_path):
 
 
 def test_early_stop_resume_and_an_already_finished_run_say_what_happened(tmp_path):
+    """(Run from a directory of the user's, not the repository: the workers' fork server imports the engine from
+    anywhere.)"""
     args = [*FAST, "trainer.nproc=1", "data.num_samples=64", "data.num_val_samples=16", "trainer.epochs=2"]
     args.append(f"hydra.run.dir={tmp_path}")
-    first = run_cli(*args, "trainer.max_epochs_per_run=1")
+    home = tmp_path / "home"
+    home.mkdir()
+    first = run_cli(*args, "trainer.max_epochs_per_run=1", cwd=home)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "relaxsync: stopped after epoch 1 of 2 (trainer.max_epochs_per_run=1) at step 2; 2 steps in" in first.stdout
     assert f"continue  the same command with: trainer.resume=auto trainer.run_dir={tmp_path}" in first.stdout
-    second = run_cli(*args, "trainer.resume=auto")
+    second = run_cli(*args, "trainer.resume=auto", cwd=home)
     assert second.returncode == 0, second.stderr[-3000:]
     path = tmp_path / "checkpoints" / "last.pt"
     assert f"relaxsync: resumed from step 2 (epoch 2 of 2) of {path}" in second.stdout
     assert "relaxsync: finished epoch 2 of 2 at step 4; 2 steps in" in second.stdout
-    third = run_cli(*args, "trainer.resume=auto")
+    third = run_cli(*args, "trainer.resume=auto", cwd=home)
     assert third.returncode == 0, third.stderr[-3000:]
     assert f"relaxsync: already finished: {path} is at step 4, epoch 2 of 2; final top-1" in third.stdout
     assert "relaxsync: finished" not in third.stdout
@@ -274,6 +278,11 @@ def test_adopt_environment_takes_the_launchers_values_and_keeps_the_agents(monke
     monkeypatch.setattr("os.environ", dict(worker))
     adopt_environment(launcher, inherited)
     assert os.environ == {"KEPT": "k", "CHANGED": "new", "ADDED": "a", "RANK": "1", "MASTER_PORT": "29500"}
+    # imported in the worker, after the agent set its variables: they are what it found, and none goes
+    late = {**worker, "LOCAL_RANK": "0"}
+    monkeypatch.setattr("os.environ", dict(late))
+    adopt_environment(launcher, dict(late))
+    assert os.environ == {**late, "ADDED": "a"}
 
 
 @pytest.mark.full  # ~12 s; make test: train.py under torchrun agents (the rendezvous below, test_faults, test_joins)
