@@ -114,6 +114,7 @@ def test_with_no_checkpoint_before_it_an_unreadable_one_is_an_error_naming_it(tm
         ckpt.Checkpointer(str(tmp_path), 0, 1, "auto").load()
 
 
+@pytest.mark.full  # ~12 s; make test: the fallback itself, named in the event and the line (the test above)
 def test_a_run_resumes_from_the_checkpoint_before_an_unreadable_last_one_and_finishes(tmp_path):
     """A real run checkpoints every 4 steps; its last checkpoint is then truncated: ``trainer.resume=auto`` names it,
     goes on from the one before (step 8 of 12) and finishes."""

@@ -55,6 +55,7 @@ def srun(env: dict[str, str], *args: str, timeout: int = 300) -> subprocess.Comp
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.full  # ~14 s; make test: srun worlds trained in the requeue and task-kill tests below, ranks from Slurm
 def test_srun_forms_one_world_of_its_tasks_and_trains_as_two_local_workers_do(slurm, tmp_path):
     """``srun -N2 -n2 python train.py``: each task is one worker (rank, world and rendezvous from Slurm), the world
     event names the nodes n1 and n2 and the launcher, every step is recorded once, and the parameters are

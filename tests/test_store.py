@@ -90,9 +90,9 @@ def test_a_wait_asks_nothing_while_it_waits_and_outlives_the_member_it_watches(c
     s = EtcdStore.from_url(cluster.url, "watch")
     asked, call = [], EtcdStore._call
     monkeypatch.setattr(EtcdStore, "_call", lambda self, *a: (self is s and asked.append(a[0]), call(self, *a))[1])
-    threading.Timer(2.5, lambda: EtcdStore.from_url(cluster.url, "watch").set("k", "1")).start()
+    threading.Timer(1.5, lambda: EtcdStore.from_url(cluster.url, "watch").set("k", "1")).start()
     s.wait(["k"])
-    assert s.check(["k"]) and len(asked) <= 5, asked  # (a read, one a WATCH_S, the last; reads every 10 ms: 250)
+    assert s.check(["k"]) and len(asked) <= 5, asked  # (a read, one a WATCH_S, the last; reads every 10 ms: 150)
 
     done = threading.Event()
     waiting = threading.Thread(target=lambda: (s.wait(["j"]), done.set()))
