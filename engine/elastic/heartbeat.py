@@ -64,7 +64,8 @@ class Heartbeat:
 
         def beat(store: Any) -> bool:
             store.set(own, str(next(count)))  # (a write of one key: not ``add``, which a replicated store reads first)
-            self.beaten_at = time.monotonic()
+            if self.silent_for() <= FENCE_S:  # (after a longer silence the loop asks the store first: revive)
+                self.beaten_at = time.monotonic()
             try:
                 self._watch_neighbours()
                 self._watch(store)
@@ -83,7 +84,13 @@ class Heartbeat:
         return time.monotonic() - self.beaten_at
 
     def revive(self) -> None:
-        """Beat again after the store stopped answering (the loop ends at a store error) and answers again."""
+        """The loop has asked the store what the others decided while this rank was silent (``guard.py``): its
+        beats count again, and it beats again if the store had stopped answering (the loop ends at a store error).
+
+        Until then a beat does not end the silence: a rank stopped for seconds (a stopped process, a stalled
+        machine) whose thread beats again first would otherwise go on with its loop as if nothing had happened,
+        training local steps and writing their records, though the others may have removed it meanwhile."""
+        self.beaten_at = time.monotonic()
         if self._loop is not None and not self._loop.running():
             self._loop = self.membership.every(BEAT_S, self._beat, "relaxsync-heartbeat").start()
 
