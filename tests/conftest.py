@@ -98,6 +98,18 @@ def train_each(root: Path, runs: dict[str, list[str]], entrypoint=None) -> dict[
     return {name: read_metrics(str(root / name / "metrics.jsonl")) for name in runs}
 
 
+def start_processes(fn, args: tuple, nprocs: int, **kwargs):
+    """``torch.multiprocessing.start_processes`` from the launcher's fork server, whose processes have torch and the
+    engine imported already (a spawned process imports them again: ~5 s each here, three at once on two cores).
+    The processes inherit the server's environment, not this process's as it is now: pass what differs in ``args``."""
+    import torch.multiprocessing as mp
+
+    from engine.launch import start_worker_server
+
+    start_worker_server()  # (once per process)
+    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver", **kwargs)
+
+
 def load_model_state(run_dir: Path) -> dict[str, torch.Tensor]:
     from engine.checkpoint import load
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import FAST, ROOT, load_model_state, node_environ, records, train
+from conftest import FAST, ROOT, load_model_state, node_environ, records, start_processes, train
 
 from bench.netns import unavailable as _netns_unavailable
 from engine.checkpoint import load
@@ -874,11 +874,10 @@ def test_survivors_form_their_group_while_a_silent_peer_is_still_in_the_run_and_
     import datetime
 
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
     out = str(tmp_path / "rank")
-    mp.start_processes(_survivors_form_ahead, args=(store.port, out), nprocs=3, start_method="spawn")
+    start_processes(_survivors_form_ahead, (store.port, out), 3)
     for rank in (0, 1):
         got = json.loads(Path(f"{out}.{rank}").read_text())
         assert got["ready"] and got["taken"] and not got["formed_after"], got

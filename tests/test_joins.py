@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _contract import JOIN_CASES, JOIN_IDS, join_last_step, run_joins
-from conftest import FAST, ROOT, node_environ, records
+from conftest import FAST, ROOT, node_environ, records, start_processes
 from test_contract import _assert_same, _load
 from test_faults import cli, env, finish, start_nodes, tail, wait_for_train_steps
 
@@ -266,11 +266,9 @@ def _sender_lost_midway(rank: int, port: int, out: str) -> None:
 
 
 def test_a_joining_process_whose_sender_is_lost_before_the_rest_of_the_state_leaves_the_run(tmp_path):
-    import torch.multiprocessing as mp
-
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
     out = str(tmp_path / "joiner.pt")
-    mp.start_processes(_sender_lost_midway, args=(store.port, out), nprocs=2, start_method="spawn", join=True)
+    start_processes(_sender_lost_midway, (store.port, out), 2, join=True)
     got = torch.load(out, weights_only=False)
     assert torch.equal(got["first"]["model"]["w"], torch.arange(6.0))
     assert got["left"] is not None and got["left"].startswith("rank 1 lost rank 0 before it had sent the whole state")
@@ -321,11 +319,9 @@ def test_an_admission_takes_the_group_its_members_and_the_new_process_formed_whi
     """Once the members know the admission, each forms the new group in the background, and the process admitted,
     told through its ticket, does the same: at the admission step they take it (the record says so), and it works
     for all three."""
-    import torch.multiprocessing as mp
-
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
     out = str(tmp_path / "role")
-    mp.start_processes(_admission_formed_ahead, args=(store.port, out), nprocs=3, start_method="spawn")
+    start_processes(_admission_formed_ahead, (store.port, out), 3)
     got = [json.loads(Path(f"{out}.{role}").read_text()) for role in range(3)]
     assert all(g["ahead"] for g in got), got
     assert [g["ranks"] for g in got] == [[0, 1, 2]] * 3 and [g["rank"] for g in got] == [0, 1, 2]
@@ -398,11 +394,9 @@ def test_a_process_admitted_at_an_averaging_takes_its_model_in_it_bit_for_bit(tm
     exactly the replica the members go on with, and nothing of the model comes after the averaging. Where that
     collective fails (the process gone), the members agree so and sum on their own group, as without it, and the
     admission says the process did not take the model there (nor takes the group, which may be broken)."""
-    import torch.multiprocessing as mp
-
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
     out = str(tmp_path / "role")
-    mp.start_processes(_join_in_averaging, args=(store.port, out, joiner_dies), nprocs=3, start_method="spawn")
+    start_processes(_join_in_averaging, (store.port, out, joiner_dies), 3)
     members = [torch.load(f"{out}.{role}", weights_only=False) for role in (0, 1)]
     models = []
     for role in (0, 1):
