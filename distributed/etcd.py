@@ -41,7 +41,7 @@ SCHEME = "etcd://"
 DEFAULT_PORT = 2379
 ATTEMPT_S = 2.0  # one request to one member; etcd answers a write within its election time or says why not
 REACH_S = 6.0  # every member tried, again and again, before the store counts as unreachable
-WATCH_S = 1.0  # a wait watches its key for this long at a time, then reads the keys again
+POLL_S = (0.002, 0.01)  # a wait's first and longest pause between reads (a read: ~1.5 ms here)
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: a transaction of more operations is refused
 MAX_TXN_BYTES = 1 << 20  # under etcd's default --max-request-bytes (1.5 MiB), with room for the JSON around it
 _THREAD = threading.local()  # each thread's connections, one per member
@@ -102,7 +102,7 @@ class EtcdStore(dist.Store):
         self._data = f"/relaxsync/{self.root}/k/".encode()
         self._marks = f"/relaxsync/{self.root}/m/".encode()
         self._client, self._seq = uuid.uuid4().hex[:12], itertools.count(1)
-        self._at = int(self._client, 16) % len(self.endpoints)  # the member asked first: the processes spread over all
+        self._at = 0  # the member asked first
         self.set_timeout(timeout)
 
     @classmethod
@@ -166,47 +166,15 @@ class EtcdStore(dist.Store):
         return self._marks + self._client.encode() + b"/" + _bytes(key)
 
     def _range(self, keys: list[bytes]) -> list[dict[str, Any] | None]:
-        """Each key's record (``value``, ``mod_revision``), or None where it is absent."""
-        return self._read(keys)[0]
-
-    def _read(self, keys: list[bytes]) -> tuple[list[dict[str, Any] | None], int]:
-        """Each key's record, and the store's revision when they were read (the earliest, over several
-        transactions): one transaction per ``MAX_TXN_OPS`` keys (a world's beats, one key per rank, are read in one
-        call of the Store API)."""
+        """Each key's record (``value``, ``mod_revision``), or None where it is absent: one transaction per
+        ``MAX_TXN_OPS`` keys (a world's beats, one key per rank, are read in one call of the Store API)."""
         out: list[dict[str, Any] | None] = []
-        revision = None
         for start in range(0, len(keys), MAX_TXN_OPS):
             reads = [{"request_range": {"key": _b64(k)}} for k in keys[start : start + MAX_TXN_OPS]]
-            answer = self._call("kv/txn", {"success": reads})
-            at = int(answer.get("header", {}).get("revision", 0))
-            revision = at if revision is None else min(revision, at)
-            for response in answer.get("responses", []):
+            for response in self._call("kv/txn", {"success": reads}).get("responses", []):
                 kvs = response.get("response_range", {}).get("kvs") or []
                 out.append(kvs[0] if kvs else None)
-        return out, revision or 0
-
-    def _watch(self, k: bytes, revision: int, seconds: float) -> None:
-        """Return once ``k`` is written after ``revision``, or after ``seconds``, or at once when the member asked
-        does not answer (the caller reads the keys again, from another member if need be): etcd pushes the write
-        on a watch stream of its own, so a thousand ranks waiting for one decision ask nothing while they wait."""
-        host, port = self.endpoints[self._at]
-        connection = http.client.HTTPConnection(host, port, timeout=seconds)
-        body = {"create_request": {"key": _b64(k), "start_revision": str(revision)}}
-        end = time.monotonic() + seconds
-        try:
-            connection.request("POST", "/v3/watch", json.dumps(body).encode(), {"Content-Type": "application/json"})
-            response = connection.getresponse()
-            while response.status == 200 and time.monotonic() < end:
-                line = response.readline()  # (one message a line: created, then events)
-                result = json.loads(line).get("result", {}) if line.strip() else {"canceled": True}
-                if result.get("events") or result.get("canceled"):
-                    return
-        except TimeoutError:  # (nothing written in time)
-            return
-        except (OSError, http.client.HTTPException, ValueError):
-            time.sleep(0.01)  # (the read that follows moves on to a member that answers)
-        finally:
-            connection.close()
+        return out
 
     # -- the Store API -----------------------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
@@ -243,19 +211,14 @@ class EtcdStore(dist.Store):
         return all(r is not None for r in self._range([self._key(k) for k in keys]))
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        """Return once every key is set; ``DistStoreError`` after ``timeout`` (the store's by default). Between
-        reads of the keys it watches the first one missing (:meth:`_watch`), for up to :data:`WATCH_S`."""
+        """Return once every key is set; ``DistStoreError`` after ``timeout`` (the store's by default)."""
         limit = (timeout or self.timeout).total_seconds()
-        deadline, pending = time.monotonic() + limit, [self._key(k) for k in keys]
-        while True:
-            records, revision = self._read(pending)
-            pending = [k for k, record in zip(pending, records) if record is None]
-            if not pending:
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
+        deadline, pause = time.monotonic() + limit, POLL_S[0]
+        while not self.check(keys):
+            if time.monotonic() >= deadline:
                 raise dist.DistStoreError(f"etcd store: wait for {keys} timed out after {limit:.1f} s")
-            self._watch(pending[0], revision + 1, min(left, WATCH_S))
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_S[1])
 
     def delete_key(self, key: str) -> bool:
         return int(self._call("kv/deleterange", {"key": _b64(self._key(key))}).get("deleted", 0)) > 0
@@ -280,11 +243,7 @@ class EtcdStore(dist.Store):
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the key's decimal value (0 when absent); returns the sum. Applied once, even when
-        retried on another member. Adding 0 to a key that is there (a counter read) reads it only."""
-        if amount == 0:
-            (record,) = self._range([self._key(key)])
-            if record is not None:
-                return int(base64.b64decode(record.get("value", "")) or b"0")
+        retried on another member."""
         return int(self._update(self._key(key), lambda old: str(int(old or b"0") + amount).encode()))
 
     def append(self, key: str, value: str | bytes) -> None:

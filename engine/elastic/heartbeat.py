@@ -5,7 +5,6 @@ in to a failure of the current generation."""
 
 from __future__ import annotations
 
-import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -23,7 +22,7 @@ FENCE_S = SILENT_S / 2
 
 
 class Heartbeat:
-    """A background thread that sets this rank's beat counter in the store, one more every :data:`BEAT_S` seconds, and,
+    """A background thread that adds 1 to this rank's beat counter in the store every :data:`BEAT_S` seconds and,
     in the same tick, reads the counters of :data:`WATCHED` other ranks, the next ones in turn (one ``multi_get``):
     when a collective fails, how long each peer has already been silent is known by this rank's clock, so a peer
     that hung long before is recognised at once instead of after watching it for another :data:`SILENT_S`. The tick
@@ -60,10 +59,8 @@ class Heartbeat:
             print(f"relaxsync: rank {m.rank} cannot listen for its watchers ({error}); a loss of it is seen by its "
                   f"silence only", file=sys.stderr, flush=True)  # fmt: skip
 
-        count = itertools.count(1)
-
         def beat(store: Any) -> bool:
-            store.set(own, str(next(count)))  # (a write of one key: not ``add``, which a replicated store reads first)
+            store.add(own, 1)
             if self.silent_for() <= FENCE_S:  # (after a longer silence the loop asks the store first: revive)
                 self.beaten_at = time.monotonic()
             try:
