@@ -193,30 +193,6 @@ def test_a_rank_whose_beats_were_late_goes_on_once_the_store_answers_and_nobody_
     assert ran == ["step"]
 
 
-def test_a_rank_stopped_for_seconds_asks_the_store_before_its_next_part_though_its_beats_came_back(cluster):
-    """A process stopped for seconds (SIGSTOP, a stalled machine) whose heartbeat thread beats again before its loop
-    goes on: the beats do not end its silence, so the loop's next part asks the store what the others decided
-    first (a rank they removed meanwhile leaves instead of training local steps and writing their records)."""
-    from engine.elastic.heartbeat import BEAT_S, FENCE_S
-    from engine.elastic.positions import Phase
-
-    guard = _guard(EtcdStore.from_url(cluster.url, "stopped"), hang_timeout_s=1.0)
-    guard.start()
-    heartbeat = guard.failures.heartbeat
-    asked, decided = [], guard.failures.decided
-    guard.failures.decided = lambda generation: asked.append(generation) or decided(generation)
-    try:
-        guard.run(Phase.STEP, lambda: None, 1)
-        assert asked == []  # (beating: nothing asked)
-        heartbeat.beaten_at = time.monotonic() - FENCE_S - 1  # (stopped until now)
-        time.sleep(4 * BEAT_S)  # (its thread beats again)
-        assert heartbeat.silent_for() > FENCE_S
-        guard.run(Phase.STEP, lambda: None, 1)
-        assert asked == [0] and heartbeat.silent_for() < FENCE_S  # (nothing decided: it goes on, beating)
-    finally:
-        guard.stop()
-
-
 # ---- runs that lose the store's host -------------------------------------------------------------------------------
 def stop_nodes(nodes: list[subprocess.Popen]) -> None:
     """Whatever is left of a test's torchrun nodes (the survivors' agents wait in torchrun's exit barrier)."""

@@ -61,8 +61,7 @@ class Heartbeat:
 
         def beat(store: Any) -> bool:
             store.add(own, 1)
-            if self.silent_for() <= FENCE_S:  # (after a longer silence the loop asks the store first: revive)
-                self.beaten_at = time.monotonic()
+            self.beaten_at = time.monotonic()
             try:
                 self._watch_neighbours()
                 self._watch(store)
@@ -81,13 +80,7 @@ class Heartbeat:
         return time.monotonic() - self.beaten_at
 
     def revive(self) -> None:
-        """The loop has asked the store what the others decided while this rank was silent (``guard.py``): its
-        beats count again, and it beats again if the store had stopped answering (the loop ends at a store error).
-
-        Until then a beat does not end the silence: a rank stopped for seconds (a stopped process, a stalled
-        machine) whose thread beats again first would otherwise go on with its loop as if nothing had happened,
-        training local steps and writing their records, though the others may have removed it meanwhile."""
-        self.beaten_at = time.monotonic()
+        """Beat again after the store stopped answering (the loop ends at a store error) and answers again."""
         if self._loop is not None and not self._loop.running():
             self._loop = self.membership.every(BEAT_S, self._beat, "relaxsync-heartbeat").start()
 
