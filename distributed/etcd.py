@@ -40,6 +40,9 @@ import torch.distributed as dist
 SCHEME = "etcd://"
 DEFAULT_PORT = 2379
 ATTEMPT_S = 2.0  # one request to one member; etcd answers a write within its election time or says why not
+# A heartbeat's request to one member (EtcdStore.hurried): a member that is restarting, catching up or without a leader
+# can hold a request for seconds, and a beat held for SILENT_S would make a live rank look gone to the others.
+HURRIED_S = 0.5
 REACH_S = 6.0  # every member tried, again and again, before the store counts as unreachable
 POLL_S = (0.002, 0.01)  # a wait's first and longest pause between reads (a read: ~1.5 ms here)
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: a transaction of more operations is refused
@@ -96,13 +99,15 @@ class EtcdStore(dist.Store):
         root: str,
         timeout: datetime.timedelta = datetime.timedelta(seconds=300),
         reach_s: float = REACH_S,
+        attempt_s: float = ATTEMPT_S,
     ):
         super().__init__()  # (pybind's trampoline)
         self.endpoints, self.root, self.reach_s = list(endpoints), root.strip("/"), reach_s
+        self.attempt_s = attempt_s
         self._data = f"/relaxsync/{self.root}/k/".encode()
         self._marks = f"/relaxsync/{self.root}/m/".encode()
         self._client, self._seq = uuid.uuid4().hex[:12], itertools.count(1)
-        self._at = 0  # the member asked first
+        self._at = int(self._client, 16) % len(self.endpoints)  # the member asked first: the processes spread over all
         self.set_timeout(timeout)
 
     @classmethod
@@ -115,9 +120,15 @@ class EtcdStore(dist.Store):
         """The same store (for another thread: connections are per thread anyway). A clone is kept alive with the
         process: c10d holds a store handed to it (a ``PrefixStore`` of it, a group formed over it) without holding
         its Python half, which a clone only referenced there would lose. A clone holds no connection."""
-        twin = EtcdStore(self.endpoints, self.root, self.timeout, self.reach_s)
-        twin._at = self._at
+        twin = EtcdStore(self.endpoints, self.root, self.timeout, self.reach_s, self.attempt_s)
         _KEPT.append(twin)
+        return twin
+
+    def hurried(self, attempt_s: float = HURRIED_S) -> EtcdStore:
+        """A clone that gives each member ``attempt_s`` to answer before it asks the next one (for calls that must
+        not be held long by one slow member, such as a heartbeat's)."""
+        twin = self.clone()
+        twin.attempt_s = attempt_s
         return twin
 
     def __repr__(self) -> str:
@@ -135,8 +146,11 @@ class EtcdStore(dist.Store):
             host, port = endpoint = self.endpoints[self._at]
             try:
                 if endpoint not in connections:
-                    connections[endpoint] = http.client.HTTPConnection(host, port, timeout=ATTEMPT_S)
+                    connections[endpoint] = http.client.HTTPConnection(host, port, timeout=self.attempt_s)
                 connection = connections[endpoint]
+                connection.timeout = self.attempt_s  # (this client's: threads share a connection per member)
+                if connection.sock is not None:
+                    connection.sock.settimeout(self.attempt_s)
                 connection.request("POST", f"/v3/{path}", payload, {"Content-Type": "application/json"})
                 response = connection.getresponse()
                 data = response.read()

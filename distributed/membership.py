@@ -507,10 +507,14 @@ class Membership:
             "agreements": self._agreements,
         }
 
-    def every(self, period_s: float, tick: Callable[[Any], bool], name: str) -> StoreLoop:
+    def every(self, period_s: float, tick: Callable[[Any], bool], name: str, hurried: bool = False) -> StoreLoop:
         """A background thread (not started) calling ``tick(store)`` every ``period_s`` on a store connection of
-        its own, so that it never waits behind the main thread's blocking store calls."""
-        return StoreLoop(self.store.clone(), period_s, tick, name)
+        its own, so that it never waits behind the main thread's blocking store calls; ``hurried``: a replicated
+        store's call moves to another member after a short wait (``EtcdStore.hurried``: a heartbeat's)."""
+        store = self.store.clone()
+        if hurried and hasattr(store, "hurried"):
+            store = store.hurried()
+        return StoreLoop(store, period_s, tick, name)
 
     def __repr__(self) -> str:
         return f"Membership(rank={self.rank}, ranks={self.ranks}, initial_size={self.initial_size})"

@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -191,6 +192,57 @@ def test_a_rank_whose_beats_were_late_goes_on_once_the_store_answers_and_nobody_
     ran = []
     guard.run(Phase.STEP, lambda: ran.append("step"), 1)
     assert ran == ["step"]
+
+
+def test_a_rank_stopped_for_seconds_asks_the_store_before_its_next_part_though_its_beats_came_back(cluster):
+    """A process stopped for seconds (SIGSTOP, a stalled machine) whose heartbeat thread beats again before its loop
+    goes on: the beats do not end its silence, so the loop's next part asks the store what the others decided
+    first (a rank they removed meanwhile leaves instead of training local steps and writing their records)."""
+    from engine.elastic.heartbeat import BEAT_S, FENCE_S
+    from engine.elastic.positions import Phase
+
+    guard = _guard(EtcdStore.from_url(cluster.url, "stopped"), hang_timeout_s=1.0)
+    guard.start()
+    heartbeat = guard.failures.heartbeat
+    asked, decided = [], guard.failures.decided
+    guard.failures.decided = lambda generation: asked.append(generation) or decided(generation)
+    try:
+        guard.run(Phase.STEP, lambda: None, 1)
+        assert asked == []  # (beating: nothing asked)
+        heartbeat.beaten_at = time.monotonic() - FENCE_S - 1  # (stopped until now)
+        time.sleep(4 * BEAT_S)  # (its thread beats again)
+        assert heartbeat.silent_for() > FENCE_S
+        guard.run(Phase.STEP, lambda: None, 1)
+        assert asked == [0] and heartbeat.silent_for() < FENCE_S  # (nothing decided: it goes on, beating)
+    finally:
+        guard.stop()
+
+
+def test_a_heartbeat_is_not_held_by_a_member_that_does_not_answer(cluster):
+    """A member that takes requests and answers none (restarting, catching up, without a leader): a hurried client,
+    the heartbeat's, asks the next member after ``HURRIED_S``, not the ``ATTEMPT_S`` that other calls wait, so
+    that no live rank's beats stop for ``SILENT_S`` because of one member."""
+    from distributed.etcd import ATTEMPT_S, HURRIED_S
+    from engine.elastic.heartbeat import SILENT_S
+
+    assert HURRIED_S * 2 < SILENT_S <= ATTEMPT_S  # (two members held in a row still leave a beat in time)
+    mute = socket.create_server(("127.0.0.1", 0))  # (the kernel accepts connections; nobody answers)
+    try:
+        store = EtcdStore.from_url(cluster.url, "hurried")
+        store.endpoints = [("127.0.0.1", mute.getsockname()[1]), *store.endpoints]
+        hurried = store.hurried()
+        assert hurried.attempt_s == HURRIED_S and store.attempt_s == ATTEMPT_S and hurried.endpoints == store.endpoints
+        hurried._at = 0  # (its first member is the mute one)
+        hurried.set("beat/0", "1")
+        assert hurried._at != 0 and store.get("beat/0") == b"1"  # (answered by the next member)
+    finally:
+        mute.close()
+    guard = _guard(EtcdStore.from_url(cluster.url, "hurried-beats"), hang_timeout_s=1.0)
+    guard.start()
+    try:
+        assert guard.failures.heartbeat._loop.store.attempt_s == HURRIED_S  # (the heartbeat's own connection)
+    finally:
+        guard.stop()
 
 
 # ---- runs that lose the store's host -------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ in to a failure of the current generation."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ FENCE_S = SILENT_S / 2
 
 
 class Heartbeat:
-    """A background thread that adds 1 to this rank's beat counter in the store every :data:`BEAT_S` seconds and,
+    """A background thread that sets this rank's beat counter in the store, one more every :data:`BEAT_S` seconds, and,
     in the same tick, reads the counters of :data:`WATCHED` other ranks, the next ones in turn (one ``multi_get``):
     when a collective fails, how long each peer has already been silent is known by this rank's clock, so a peer
     that hung long before is recognised at once instead of after watching it for another :data:`SILENT_S`. The tick
@@ -59,9 +60,12 @@ class Heartbeat:
             print(f"relaxsync: rank {m.rank} cannot listen for its watchers ({error}); a loss of it is seen by its "
                   f"silence only", file=sys.stderr, flush=True)  # fmt: skip
 
+        count = itertools.count(1)
+
         def beat(store: Any) -> bool:
-            store.add(own, 1)
-            self.beaten_at = time.monotonic()
+            store.set(own, str(next(count)))  # (a write of one key: not ``add``, which a replicated store reads first)
+            if self.silent_for() <= FENCE_S:  # (after a longer silence the loop asks the store first: revive)
+                self.beaten_at = time.monotonic()
             try:
                 self._watch_neighbours()
                 self._watch(store)
@@ -71,7 +75,7 @@ class Heartbeat:
             return False  # beat until stopped
 
         self._beat, self.beaten_at = beat, time.monotonic()  # (silent from here until a beat reaches the store)
-        self._loop = self.membership.every(BEAT_S, beat, "relaxsync-heartbeat").start()
+        self._loop = self.membership.every(BEAT_S, beat, "relaxsync-heartbeat", hurried=True).start()
 
     def silent_for(self) -> float:
         """Seconds since this rank's last beat reached the store, or since it started beating (0 when not beating)."""
@@ -80,9 +84,15 @@ class Heartbeat:
         return time.monotonic() - self.beaten_at
 
     def revive(self) -> None:
-        """Beat again after the store stopped answering (the loop ends at a store error) and answers again."""
+        """The loop has asked the store what the others decided while this rank was silent (``guard.py``): its
+        beats count again, and it beats again if the store had stopped answering (the loop ends at a store error).
+
+        Until then a beat does not end the silence: a rank stopped for seconds (a stopped process, a stalled
+        machine) whose thread beats again first would otherwise go on with its loop as if nothing had happened,
+        training local steps and writing their records, though the others may have removed it meanwhile."""
+        self.beaten_at = time.monotonic()
         if self._loop is not None and not self._loop.running():
-            self._loop = self.membership.every(BEAT_S, self._beat, "relaxsync-heartbeat").start()
+            self._loop = self.membership.every(BEAT_S, self._beat, "relaxsync-heartbeat", hurried=True).start()
 
     def _watch_neighbours(self) -> None:
         """Have the presence watch this rank's ring neighbours among the active ranks, worked out again only when
