@@ -101,6 +101,8 @@ class CountingStore:
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._store, name)
+        if name == "hurried":  # (a heartbeat's clone, its calls hurried: EtcdStore.hurried; counted on its tally)
+            return lambda: CountingStore(method(), self.tally)
         if not callable(method):
             return method
         tally = self.tally
@@ -184,6 +186,9 @@ def code_version() -> str:
     """The working tree's engine/failures.py: the commit, and whether the file differs from it."""
     dirty = git("status", "--porcelain", "engine/elastic/failures.py")
     return git("rev-parse", "HEAD") + (" + uncommitted changes" if dirty else "")
+
+
+NICE = 10  # the simulating processes' niceness (the store's server keeps 0)
 
 
 # ---- the simulation ------------------------------------------------------------------------------------------------
@@ -316,8 +321,11 @@ class Shard:
 
 
 def _shard_main(conn: Any, failures_path: str | None, switch_s: float, *args: Any) -> None:
-    """A shard's process: builds it, says so, then answers ``(method, args)`` requests until ``close``."""
+    """A shard's process: builds it, says so, then answers ``(method, args)`` requests until ``close``. It runs at a
+    lower priority than the store's server(s): on a cluster the store runs on cores of its own, and the ranks'
+    simulation, which can keep every core here busy, should not slow it as no real rank would."""
     raise_file_limit()
+    os.nice(NICE)
     if failures_path:
         load_failures(failures_path)
     sys.setswitchinterval(switch_s)
@@ -514,12 +522,14 @@ def one(args: argparse.Namespace) -> None:
 def serving(store: str, env: dict[str, str] | None = None) -> Iterator[tuple[list[str], list[int]]]:
     """The store's server(s) for one measurement: ``tcp``, a ``TCPStore`` in a process of its own (as torchrun's
     agent holds it); ``etcd``, a cluster of three etcd members (``distributed.etcd.LocalCluster``, its data in
-    memory). Yields the arguments that name it to ``--one``/``--capacity`` and the server processes' pids."""
+    memory, at etcd's default heartbeat and election timeout: the simulation keeps this machine's cores busy, and
+    members at LocalCluster's 20 and 200 ms, starved of them, change leaders over and over). Yields the arguments
+    that name it to ``--one``/``--capacity`` and the server processes' pids."""
     if store == "etcd":
         from distributed.etcd import LocalCluster
 
         with tempfile.TemporaryDirectory(prefix="membership-etcd-") as directory:
-            with LocalCluster(directory, members=3) as cluster:
+            with LocalCluster(directory, members=3, heartbeat_ms=100, election_ms=1000) as cluster:
                 yield ["--store-url", cluster.url], [p.pid for p in cluster.processes]
         return
     server = subprocess.Popen(

@@ -44,7 +44,7 @@ ATTEMPT_S = 2.0  # one request to one member; etcd answers a write within its el
 # can hold a request for seconds, and a beat held for SILENT_S would make a live rank look gone to the others.
 HURRIED_S = 0.5
 REACH_S = 6.0  # every member tried, again and again, before the store counts as unreachable
-POLL_S = (0.002, 0.01)  # a wait's first and longest pause between reads (a read: ~1.5 ms here)
+WATCH_S = 1.0  # a wait watches its key for this long at a time, then reads the keys again
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: a transaction of more operations is refused
 MAX_TXN_BYTES = 1 << 20  # under etcd's default --max-request-bytes (1.5 MiB), with room for the JSON around it
 _THREAD = threading.local()  # each thread's connections, one per member
@@ -106,6 +106,7 @@ class EtcdStore(dist.Store):
         self.attempt_s = attempt_s
         self._data = f"/relaxsync/{self.root}/k/".encode()
         self._marks = f"/relaxsync/{self.root}/m/".encode()
+        self._boards = f"/relaxsync/{self.root}/b/".encode()
         self._client, self._seq = uuid.uuid4().hex[:12], itertools.count(1)
         self._at = int(self._client, 16) % len(self.endpoints)  # the member asked first: the processes spread over all
         self.set_timeout(timeout)
@@ -180,15 +181,47 @@ class EtcdStore(dist.Store):
         return self._marks + self._client.encode() + b"/" + _bytes(key)
 
     def _range(self, keys: list[bytes]) -> list[dict[str, Any] | None]:
-        """Each key's record (``value``, ``mod_revision``), or None where it is absent: one transaction per
-        ``MAX_TXN_OPS`` keys (a world's beats, one key per rank, are read in one call of the Store API)."""
+        """Each key's record (``value``, ``mod_revision``), or None where it is absent."""
+        return self._read(keys)[0]
+
+    def _read(self, keys: list[bytes]) -> tuple[list[dict[str, Any] | None], int]:
+        """Each key's record, and the store's revision when they were read (the earliest, over several
+        transactions): one transaction per ``MAX_TXN_OPS`` keys (a world's beats, one key per rank, are read in one
+        call of the Store API)."""
         out: list[dict[str, Any] | None] = []
+        revision = None
         for start in range(0, len(keys), MAX_TXN_OPS):
             reads = [{"request_range": {"key": _b64(k)}} for k in keys[start : start + MAX_TXN_OPS]]
-            for response in self._call("kv/txn", {"success": reads}).get("responses", []):
+            answer = self._call("kv/txn", {"success": reads})
+            at = int(answer.get("header", {}).get("revision", 0))
+            revision = at if revision is None else min(revision, at)
+            for response in answer.get("responses", []):
                 kvs = response.get("response_range", {}).get("kvs") or []
                 out.append(kvs[0] if kvs else None)
-        return out
+        return out, revision or 0
+
+    def _watch(self, k: bytes, revision: int, seconds: float) -> None:
+        """Return once ``k`` is written after ``revision``, or after ``seconds``, or at once when the member asked
+        does not answer (the caller reads the keys again, from another member if need be): etcd pushes the write
+        on a watch stream of its own, so a thousand ranks waiting for one decision ask nothing while they wait."""
+        host, port = self.endpoints[self._at]
+        connection = http.client.HTTPConnection(host, port, timeout=seconds)
+        body = {"create_request": {"key": _b64(k), "start_revision": str(revision)}}
+        end = time.monotonic() + seconds
+        try:
+            connection.request("POST", "/v3/watch", json.dumps(body).encode(), {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            while response.status == 200 and time.monotonic() < end:
+                line = response.readline()  # (one message a line: created, then events)
+                result = json.loads(line).get("result", {}) if line.strip() else {"canceled": True}
+                if result.get("events") or result.get("canceled"):
+                    return
+        except TimeoutError:  # (nothing written in time)
+            return
+        except (OSError, http.client.HTTPException, ValueError):
+            time.sleep(0.01)  # (the read that follows moves on to a member that answers)
+        finally:
+            connection.close()
 
     # -- the Store API -----------------------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
@@ -225,14 +258,19 @@ class EtcdStore(dist.Store):
         return all(r is not None for r in self._range([self._key(k) for k in keys]))
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        """Return once every key is set; ``DistStoreError`` after ``timeout`` (the store's by default)."""
+        """Return once every key is set; ``DistStoreError`` after ``timeout`` (the store's by default). Between
+        reads of the keys it watches the first one missing (:meth:`_watch`), for up to :data:`WATCH_S`."""
         limit = (timeout or self.timeout).total_seconds()
-        deadline, pause = time.monotonic() + limit, POLL_S[0]
-        while not self.check(keys):
-            if time.monotonic() >= deadline:
+        deadline, pending = time.monotonic() + limit, [self._key(k) for k in keys]
+        while True:
+            records, revision = self._read(pending)
+            pending = [k for k, record in zip(pending, records) if record is None]
+            if not pending:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise dist.DistStoreError(f"etcd store: wait for {keys} timed out after {limit:.1f} s")
-            time.sleep(pause)
-            pause = min(pause * 2, POLL_S[1])
+            self._watch(pending[0], revision + 1, min(left, WATCH_S))
 
     def delete_key(self, key: str) -> bool:
         return int(self._call("kv/deleterange", {"key": _b64(self._key(key))}).get("deleted", 0)) > 0
@@ -257,12 +295,42 @@ class EtcdStore(dist.Store):
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the key's decimal value (0 when absent); returns the sum. Applied once, even when
-        retried on another member."""
+        retried on another member. Adding 0 to a key that is there (a counter read) reads it only."""
+        if amount == 0:
+            (record,) = self._range([self._key(key)])
+            if record is not None:
+                return int(base64.b64decode(record.get("value", "")) or b"0")
         return int(self._update(self._key(key), lambda old: str(int(old or b"0") + amount).encode()))
 
     def append(self, key: str, value: str | bytes) -> None:
         """Add ``value`` to the end of the key's value (creating it). Applied once, even when retried."""
         self._update(self._key(key), lambda old: (old or b"") + _bytes(value))
+
+    # -- boards (distributed/board.py): one key per entry, no read-and-write that other posts could upset ----------
+    def _board(self, name: str) -> dict[str, str]:
+        prefix = self._boards + _bytes(name) + b"/"
+        return {"key": _b64(prefix), "range_end": _b64(_range_end(prefix))}
+
+    def post(self, name: str, member: str, value: str | bytes) -> int:
+        """``member``'s entry on board ``name``; returns the number of entries there as of this write (its place in
+        the order: etcd's revisions order every write; the count is read at the write's revision)."""
+        key = self._boards + _bytes(name) + b"/" + _bytes(member)
+        written = int(self._call("kv/put", {"key": _b64(key), "value": _b64(_bytes(value))})["header"]["revision"])
+        body = {**self._board(name), "count_only": True, "revision": str(written)}  # (as of this write)
+        return int(self._call("kv/range", body).get("count", 0))
+
+    def entries(self, name: str) -> list[tuple[str, str]]:
+        """Board ``name``'s entries, (member, value), in the order they were first posted."""
+        body = {**self._board(name), "sort_order": "ASCEND", "sort_target": "CREATE"}
+        skip = len(self._boards + _bytes(name) + b"/")
+        return [
+            (base64.b64decode(kv["key"])[skip:].decode(), base64.b64decode(kv.get("value", "")).decode())
+            for kv in self._call("kv/range", body).get("kvs") or []
+        ]
+
+    def count(self, name: str) -> int:
+        """How many entries board ``name`` holds."""
+        return int(self._call("kv/range", {**self._board(name), "count_only": True}).get("count", 0))
 
     def has_extended_api(self) -> bool:
         return True

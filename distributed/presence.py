@@ -1,4 +1,5 @@
-"""Presence: a rank learns at once that a watched peer's process has ended, without waiting for it to fall silent.
+"""Presence: a rank learns at once that a watched peer's process has ended, and within a silence that it hangs,
+without asking the run's store.
 
 When a process ends, however it ends (``kill -9``, an out-of-memory kill, a crash), its kernel closes its sockets,
 and the other end of each reads an end of file at once. A heartbeat cannot tell that quickly: a rank must miss
@@ -6,17 +7,23 @@ several beats before the others may call it gone, and a shorter silence would ta
 a dead one. So every rank (under ``trainer.on_failure=continue``) listens on a TCP port of its own, published in
 the run's store, and holds one connection to each of the peers it watches: its two neighbours in the ring of the
 active ranks ordered by local index, then node (so that each neighbour is on another node whenever there are two
-nodes or more: a whole node lost is seen from the nodes that remain). Nothing is ever sent on these connections
-but a farewell: a rank that leaves the run on purpose (it finished, was evicted, or was removed as hung and woke
-up) writes ``bye`` on each connection it accepted before it closes them. An end of file without it is the mark of
-a process that ended unplanned; the watcher appends the peer's rank to one list in the store, and the survivors
-agreeing on a loss (``engine/elastic/failures.py``) take a rank on that list for gone at once instead of after
-:data:`~engine.elastic.heartbeat.SILENT_S` of silence.
+nodes or more: a whole node lost is seen from the nodes that remain).
 
-A hung process (stopped, stuck in a driver) keeps its sockets open: it is still found by its silence and by the
-deadline of its collective, as before. So is a machine that loses power or its network, whose kernel sends
-nothing. The connections are kept (``distributed/connections.py``) so that cutting a replaced gloo group never
-shuts one of them down, which would read as a farewell-less end of file on both sides.
+On these connections a rank writes, to each of its watchers, a beat (one byte) every ``beat_s``; and a farewell
+when it leaves the run on purpose (it finished, was evicted, or was removed as hung and woke up), before it closes
+them. An end of file without a farewell is the mark of a process that ended unplanned: the watcher appends the
+peer's rank to one list in the store, and the survivors agreeing on a loss (``engine/elastic/failures.py``) take a
+rank on that list for gone at once. A watched peer from which nothing came for ``silent_s`` (a hung process keeps
+its sockets open; a machine that lost power or its network sends nothing) is reported silent, under the
+membership's generation, and the report is withdrawn when it is heard again: the survivors take it for gone too,
+without reading its beats in the store, which is what lets a world of a thousand ranks beat without a thousand
+writes to the store every 0.2 s (the heartbeat then writes there far less often: ``engine/elastic/heartbeat.py``).
+
+A rank that sees a collective fail passes an alarm on to its peers, both ways, and each passes it on in turn, once:
+every rank learns of the failure within a few hops of the ring and ends its own wait, without polling the store.
+
+The connections are kept (``distributed/connections.py``) so that cutting a replaced gloo group never shuts one of
+them down, which would read as a farewell-less end of file on both sides.
 """
 
 from __future__ import annotations
@@ -29,12 +36,18 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from distributed import board
 from distributed.connections import Connections, _inode, forget, keep
 
+BEAT = b"."  # sent to each watcher every beat_s
 BYE = b"bye"
+ALARM = b"!"  # b"!<generation>\n": a collective of that generation failed
+SILENT_S = 2.0  # a watched peer that sent nothing for this long is reported silent (the heartbeat's SILENT_S)
+BEAT_S = SILENT_S / 4  # a beat to each watcher this often: a silence is four beats missed
 CONNECT_TIMEOUT_S = 0.5  # a connection to a peer's port that takes longer is tried again at the next look
 LOOK_S = 0.5  # how often the thread looks again for the addresses of peers it does not reach yet
 _SIOCGIFADDR = 0x8915
@@ -97,10 +110,23 @@ def ring_neighbours(rank: int, ranks: list[int], nodes: list[str]) -> set[int]:
 
 class Presence:
     """This rank's listening port and its connections to the peers it watches (the module docstring). ``store``:
-    a store connection for this object's thread alone; ``key``: a name -> the run's key for it."""
+    a store connection for this object's thread alone; ``key``: a name -> the run's key for it; ``generation``: the
+    membership's current generation (silences are reported under it); ``on_alarm(generation)``: called on this
+    object's thread when a peer passes on an alarm (:meth:`alarm`)."""
 
-    def __init__(self, rank: int, store: Any, key: Callable[[str], str], address: str | None = None):
+    def __init__(
+        self,
+        rank: int,
+        store: Any,
+        key: Callable[[str], str],
+        address: str | None = None,
+        generation: Callable[[], int] = lambda: 0,
+        on_alarm: Callable[[int], None] | None = None,
+        beat_s: float = BEAT_S,
+        silent_s: float = SILENT_S,
+    ):
         self.rank, self.store, self.key = rank, store, key
+        self.generation, self.on_alarm, self.beat_s, self.silent_s = generation, on_alarm, beat_s, silent_s
         self.address = address or reachable_address()
         self._listener = socket.create_server(("0.0.0.0", 0))
         self._listener.setblocking(False)
@@ -109,6 +135,16 @@ class Presence:
         self._wanted: set[int] = set()
         self._ended: set[int] = set()  # peers whose connection ended (with or without a farewell): not redialled
         self.reported: list[int] = []  # peers whose process this rank saw end unplanned, in order
+        self._heard: dict[int, float] = {}  # watched peer -> when something last came from it (time.monotonic)
+        self._silent: set[int] = set()  # watched peers reported silent and not heard since
+        self._reported_in = -1  # the generation under which this rank's silent peers were reported
+        self._farewell: set[int] = set()  # watched peers that said farewell (their end follows)
+        self._pending: dict[int, bytes] = {}  # a connection's bytes not yet a whole message (by file descriptor)
+        self._alarmed = -1  # the latest generation this rank passed an alarm on for
+        self._alarm_due = False
+        self._beaten = 0.0
+        self._rewatch = False  # (the thread's next wake-up looks at the watch again)
+        self.neighbours: Callable[[], set[int]] | None = None  # the peers to watch, asked at each beat (or: watch())
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = socket.socketpair()
         self._stopping = False
@@ -119,6 +155,7 @@ class Presence:
         keep(("presence", fd), [Connections([(fd, _inode(fd) or "")])])
 
     def _close(self, sock: socket.socket) -> None:
+        self._pending.pop(sock.fileno(), None)
         forget(("presence", sock.fileno()))
         sock.close()
 
@@ -138,6 +175,22 @@ class Presence:
                 return
             self._wanted = peers
         self._wake_w.send(b"w")
+
+    def alarm(self, generation: int) -> None:
+        """Pass on to every connected peer, both ways, that a collective of ``generation`` failed (once for each
+        generation: a peer that learns of it passes it on in turn, so it goes round the ring in both directions)."""
+        with self._lock:
+            if generation <= self._alarmed:
+                return
+            self._alarmed, self._alarm_due = generation, True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"a")
+
+    def unheard_for(self) -> float:
+        """Seconds since anything came from the peers this rank watches (0 while it is connected to none)."""
+        heard = [self._heard.get(p) for p in list(self._watching)]
+        heard = [h for h in heard if h is not None]
+        return time.monotonic() - max(heard) if heard else 0.0
 
     def stop(self, farewell: bool) -> None:
         """Stop watching and close every connection; with ``farewell`` (this rank leaves the run on purpose), first
@@ -163,36 +216,59 @@ class Presence:
 
     # ---- the thread ----------------------------------------------------------------------------------------------
     def _run(self) -> None:
+        """Each wake-up reads what came (a beat costs a read and little else: a thousand ranks in one machine's
+        simulation each wake several times a second); the rest (the watch, dialling, beats, silences) is done once a
+        beat, or when the watch changes."""
+        poller, by_fd, due = select.poll(), {}, 0.0  # (poll, not select: descriptors above 1024 work too)
         while not self._stopping:
-            with self._lock:
-                wanted = set(self._wanted)
-            for peer in [p for p in self._watching if p not in wanted]:
-                self._close(self._watching.pop(peer))
-            self._dial([p for p in wanted if p not in self._watching and p not in self._ended])
-            watched = {sock: peer for peer, sock in self._watching.items()}
-            # (every wanted peer reached: nothing to do until a connection or the watch changes, or stop)
-            look = LOOK_S if any(p not in self._watching and p not in self._ended for p in wanted) else None
-            # (poll, not select: a process with many files has descriptors above select's limit of 1024)
-            by_fd = {sock.fileno(): sock for sock in [self._listener, self._wake_r, *self._accepted, *watched]}
-            poller = select.poll()
-            for fd in by_fd:
-                poller.register(fd, select.POLLIN)
+            now = time.monotonic()
+            if now >= due or self._rewatch:
+                self._rewatch = False
+                if self.neighbours is not None:
+                    with contextlib.suppress(Exception):
+                        self.watch(self.neighbours())
+                with self._lock:
+                    wanted = set(self._wanted)
+                for peer in [p for p in self._watching if p not in wanted]:
+                    self._unwatch(peer)
+                self._dial([p for p in wanted if p not in self._watching and p not in self._ended])
+                unreached = any(p not in self._watching and p not in self._ended for p in wanted)
+                self._send()
+                self._check_silences()
+                # (the next beat; a peer not reached yet is tried again every LOOK_S)
+                due = min(self._beaten + self.beat_s, now + LOOK_S) if unreached else self._beaten + self.beat_s
+                sockets = [self._listener, self._wake_r, *self._accepted, *self._watching.values()]
+                if {s.fileno() for s in sockets} != set(by_fd):
+                    poller, by_fd = select.poll(), {sock.fileno(): sock for sock in sockets}
+                    for fd in by_fd:
+                        poller.register(fd, select.POLLIN)
             try:
-                events = poller.poll(None if look is None else look * 1000)
+                events = poller.poll(max(0.0, due - time.monotonic()) * 1000)
             except OSError:  # (interrupted: look again)
                 continue
+            watched = None
             for fd, _ in events:
-                sock = by_fd[fd]
+                sock = by_fd.get(fd)
+                if sock is None:
+                    continue
                 if sock is self._listener:
                     self._accept()
+                    self._rewatch = True  # (a new connection to listen on)
                 elif sock is self._wake_r:
                     with contextlib.suppress(OSError):
                         sock.recv(64)
-                elif sock in watched:
-                    self._read(watched[sock], sock)
-                else:  # a watcher's connection: nothing comes on it but its end (the watcher left or moved on)
-                    self._accepted.remove(sock)
-                    self._close(sock)
+                    self._rewatch = True  # (the watch changed, an alarm is due, or stop)
+                else:
+                    watched = watched or {s: peer for peer, s in self._watching.items()}
+                    if sock in watched:
+                        self._read(watched[sock], sock)
+                    elif sock in self._accepted:
+                        self._read_watcher(sock)
+                    if sock.fileno() == -1:  # (closed in there: it leaves the poll)
+                        self._rewatch = True
+                        with contextlib.suppress(KeyError, ValueError):
+                            poller.unregister(fd)
+                        by_fd.pop(fd, None)
 
     def _accept(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
@@ -214,16 +290,68 @@ class Presence:
             sock.setblocking(False)
             self._keep(sock)
             self._watching[peer] = sock
+            self._heard[peer] = time.monotonic()  # (connected: its beats come from now on)
 
-    def _read(self, peer: int, sock: socket.socket) -> None:
+    def _unwatch(self, peer: int) -> None:
+        """Stop watching ``peer`` (no longer a neighbour): quietly, and a silence reported of it is withdrawn (its
+        new watchers report it again if it is still silent)."""
+        self._close(self._watching.pop(peer))
+        self._heard.pop(peer, None)
+        if peer in self._silent:
+            self._silent.discard(peer)
+            self._report(f"{peer}-")
+
+    def _messages(self, sock: socket.socket) -> tuple[list[bytes], bool]:
+        """The whole messages that came on ``sock`` (beats, farewells, alarms), and whether it ended."""
         try:
-            data = sock.recv(64)
+            data = sock.recv(4096)
         except BlockingIOError:
-            return
+            return [], False
         except OSError:  # (reset: the peer's kernel dropped the connection)
             data = b""
-        farewell = bool(data)  # (nothing but the farewell is ever written on these connections)
+        if not data:
+            return [], True
+        buffer, messages = self._pending.pop(sock.fileno(), b"") + data, []
+        while buffer:
+            if buffer[:1] == BEAT:
+                messages.append(BEAT)
+                buffer = buffer[1:]
+            elif buffer.startswith(BYE):
+                messages.append(BYE)
+                buffer = buffer[len(BYE) :]
+            elif buffer[:1] == ALARM and b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                messages.append(line)
+            elif buffer[:1] == ALARM or BYE.startswith(buffer):  # (the rest of it comes with the next read)
+                self._pending[sock.fileno()] = buffer
+                break
+            else:  # (nothing this module writes: skipped)
+                buffer = buffer[1:]
+        return messages, False
+
+    def _alarms(self, messages: list[bytes]) -> None:
+        for message in messages:
+            if message[:1] == ALARM and message[1:].isdigit():
+                generation = int(message[1:])
+                if generation > self._alarmed and self.on_alarm is not None:
+                    with contextlib.suppress(Exception):
+                        self.on_alarm(generation)
+                self.alarm(generation)  # (passed on, once)
+
+    def _read(self, peer: int, sock: socket.socket) -> None:
+        """What came from a watched peer: beats, an alarm, its farewell, its end."""
+        messages, end = self._messages(sock)
+        if messages:
+            self._heard[peer] = time.monotonic()
+            if BYE in messages:
+                self._farewell.add(peer)
+            self._alarms(messages)
+        if not end:
+            return
+        farewell = peer in self._farewell
         del self._watching[peer]
+        self._heard.pop(peer, None)
+        self._silent.discard(peer)
         self._close(sock)
         self._ended.add(peer)
         if farewell:
@@ -235,6 +363,57 @@ class Presence:
                 self.store.append(self.key("presence/ended"), f"{peer},")
             self.reported.append(peer)  # (after the store has it: a reader of both sees it there first)
 
+    def _read_watcher(self, sock: socket.socket) -> None:
+        """What came from a watcher: an alarm, or its end (it left, or moved on to other neighbours)."""
+        messages, end = self._messages(sock)
+        self._alarms(messages)
+        if end:
+            self._accepted.remove(sock)
+            self._close(sock)
+
+    def _send(self) -> None:
+        """A beat to every watcher when one is due, and an alarm to every peer, both ways, when one is."""
+        now, out = time.monotonic(), []
+        if now - self._beaten >= self.beat_s:
+            self._beaten = now
+            out += [(sock, BEAT) for sock in self._accepted]
+        with self._lock:
+            due, self._alarm_due = self._alarm_due, False
+            alarm = ALARM + str(self._alarmed).encode() + b"\n"
+        if due:
+            out += [(sock, alarm) for sock in [*self._accepted, *self._watching.values()]]
+        for sock, data in out:
+            with contextlib.suppress(OSError):  # (a full buffer: the peer reads nothing, and its silence tells)
+                sock.send(data)
+
+    def _check_silences(self) -> None:
+        """Report in the store each watched peer that has sent nothing for ``silent_s`` (hung, or cut off), under
+        the current generation, and withdraw the report once it is heard again."""
+        generation, now = self.generation(), time.monotonic()
+        if generation != self._reported_in:  # (a new generation: its list starts with the silences that go on)
+            self._reported_in = generation
+            for peer in sorted(self._silent):
+                self._report(f"{peer}+")
+        for peer, sock in list(self._watching.items()):
+            silent = now - self._heard.get(peer, now) >= self.silent_s
+            if silent and peer not in self._silent:
+                self._read(peer, sock)  # (what waits unread came while this thread was held: not a silence)
+                if peer not in self._watching or now - self._heard.get(peer, now) < self.silent_s:
+                    continue
+                self._silent.add(peer)
+                self._report(f"{peer}+")
+            elif not silent and peer in self._silent:
+                self._silent.discard(peer)
+                self._report(f"{peer}-")
+
+    def _report(self, entry: str) -> None:
+        """This rank's word on a peer (``"<peer>+"`` silent, ``"<peer>-"`` heard again), on the generation's board
+        of silences: one entry per peer and watcher, which only that watcher writes (on etcd, a key no one else
+        touches: distributed/board.py)."""
+        peer, word = entry[:-1], entry[-1]
+        with contextlib.suppress(Exception):  # (the store gone: the others find the silence by the store's beats)
+            board.post(self.store, self.key(f"presence/silent/{self.generation()}"), f"{peer}.{self.rank}", word)
+
 
 def ended(store: Any, key: Callable[[str], str]) -> set[int]:
     """The ranks some watcher saw end without a farewell, so far (read from ``store``)."""
@@ -242,3 +421,9 @@ def ended(store: Any, key: Callable[[str], str]) -> set[int]:
     if not store.check([name]):
         return set()
     return {int(r) for r in store.get(name).decode().split(",") if r}
+
+
+def silent(store: Any, key: Callable[[str], str], generation: int) -> set[int]:
+    """The ranks a watcher reports silent under ``generation`` and has not heard again since (read from ``store``)."""
+    posts = board.entries(store, key(f"presence/silent/{generation}"))
+    return {int(member.split(".")[0]) for member, word in posts.items() if word == "+"}

@@ -609,6 +609,59 @@ def test_a_peer_silent_before_the_failure_is_recognised_without_watching_it_agai
         beating.join()
 
 
+def test_a_peer_its_watchers_report_silent_is_taken_for_gone_without_watching_its_beats(monkeypatch):
+    """Beyond 17 ranks the store hears a rank's beat only every few seconds; its watchers report its silence on the
+    generation's board instead (distributed/presence.py), and a survivor takes a peer reported silent, and not
+    heard since, for gone at once. A report withdrawn (heard again) does not count."""
+    import torch.distributed as dist
+
+    from distributed import board
+    from distributed.membership import Membership
+    from engine.elastic import failures as failures_module
+    from engine.elastic.failures import Failures
+    from engine.elastic.heartbeat import BEAT_S, store_period
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    membership = Membership(0, 40)
+    membership._store = store
+    failures = Failures(membership, hang_timeout_s=5)
+    failures.heartbeat.period_s = store_period(40)
+    assert store_period(17) == BEAT_S and store_period(40) > BEAT_S and store_period(1024) == 1024 / 100
+    for r in range(1, 40):
+        if r != 7:
+            failures._check_in(0, r, "hung")  # (everyone but rank 7 saw the failure)
+    silences = membership.key("presence/silent/0")
+    board.post(store, silences, "7.6", "+")  # rank 6 reports rank 7 silent...
+    board.post(store, silences, "12.11", "+")
+    board.post(store, silences, "12.11", "-")  # ...and rank 11 heard rank 12 again
+
+    def no_waiting(seconds: float) -> None:
+        raise AssertionError("waited to watch a peer its watchers report silent")
+
+    monkeypatch.setattr(failures_module.time, "sleep", no_waiting)
+    assert failures._silent_peers(0) == ([7], [])
+
+
+def test_beyond_17_ranks_the_heartbeat_beats_in_the_store_once_a_period_and_reads_no_peers():
+    import torch.distributed as dist
+
+    from distributed.membership import Membership
+    from engine.elastic.heartbeat import Heartbeat, store_period
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    membership = Membership(0, 60)
+    membership._store = store
+    heartbeat = Heartbeat(membership)
+    heartbeat.start()
+    try:
+        time.sleep(1.0)
+        assert heartbeat.period_s == store_period(60) and heartbeat._loop.period_s == store_period(60)
+        assert int(store.get(heartbeat.key(0))) <= 2  # (at 0 s and 0.6 s; every 0.2 s it would be 5)
+        assert heartbeat.seen() == {}  # (no peer's beat read: their watchers report their silences)
+    finally:
+        heartbeat.stop()
+
+
 NETNS = _netns_unavailable()
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from distributed.connections import cut, keep, noted
-from distributed.presence import Presence, ended, reachable_address, ring_neighbours
+from distributed.presence import Presence, ended, reachable_address, ring_neighbours, silent
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = textwrap.dedent(
@@ -55,8 +55,8 @@ def start_peer(store) -> subprocess.Popen:
     return peer
 
 
-def watching(store, peers=(1,)) -> Presence:
-    presence = Presence(0, store.clone(), key, address="127.0.0.1").start()
+def watching(store, peers=(1,), **options) -> Presence:
+    presence = Presence(0, store.clone(), key, address="127.0.0.1", **options).start()
     presence.watch(peers)
     deadline = time.monotonic() + 10
     while not all(p in presence._watching for p in peers):
@@ -111,6 +111,95 @@ def test_a_peer_that_says_farewell_is_not_reported_and_a_stopped_one_neither(sto
         assert 1 not in presence._watching  # its connection ended and is not dialled again
     finally:
         presence.stop(farewell=False)
+
+
+def test_a_stopped_peer_is_reported_silent_under_the_generation_and_withdrawn_once_it_beats_again(store):
+    """Its beats stop coming (SIGSTOP keeps its sockets open): after ``silent_s`` its watcher reports it silent under
+    the membership's generation, in the store, without anyone reading beats there; when it beats again the report
+    is withdrawn. A new generation's list starts with the silences that go on."""
+    generation = [3]
+    peer = start_peer(store)
+    presence = watching(store, generation=lambda: generation[0], silent_s=1.2)
+    try:
+        time.sleep(1.5)
+        assert silent(store, key, 3) == set() and presence.unheard_for() < 1.2  # (beating: heard every 0.5 s)
+        peer.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while silent(store, key, 3) != {1}:
+            assert time.monotonic() < deadline, "never reported silent"
+            time.sleep(0.05)
+        assert presence.unheard_for() >= 1.2 and presence.reported == []  # (silent, not ended)
+        generation[0] = 4
+        deadline = time.monotonic() + 5
+        while silent(store, key, 4) != {1}:
+            assert time.monotonic() < deadline, "not reported again under the new generation"
+            time.sleep(0.05)
+        peer.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while silent(store, key, 4):
+            assert time.monotonic() < deadline, "the report was never withdrawn"
+            time.sleep(0.05)
+        assert ended(store, key) == set()
+    finally:
+        peer.send_signal(signal.SIGCONT)
+        presence.stop(farewell=False)
+        peer.kill()
+        peer.wait()
+
+
+def test_a_peer_heard_while_this_thread_was_held_is_not_reported_silent(store):
+    """Beats that came while the watcher's own thread could not run (its process stopped, its machine busy) wait in
+    the socket: they are read before a silence is reported."""
+    import socket
+
+    presence = Presence(0, store.clone(), key, address="127.0.0.1", silent_s=0.5)
+    ours, theirs = socket.socketpair()
+    try:
+        ours.setblocking(False)
+        presence._watching[1] = ours
+        presence._heard[1] = time.monotonic() - 5  # (nothing read for 5 s...)
+        theirs.send(b"...")  # (...but its beats are there)
+        presence._check_silences()
+        assert silent(store, key, 0) == set() and 1 not in presence._silent
+        presence._heard[1] = time.monotonic() - 5
+        presence._check_silences()  # (now nothing waits: silent)
+        assert silent(store, key, 0) == {1}
+    finally:
+        presence._watching.clear()
+        ours.close()
+        theirs.close()
+        presence.stop(farewell=False)
+
+
+def test_an_alarm_goes_round_the_ring_both_ways_once(store):
+    """A rank that saw a collective fail passes an alarm to its peers; each passes it on once, on its watchers'
+    connections and its own: every rank of the ring hears of it, the one that raised it does not hear it back."""
+    heard: dict[int, list[int]] = {r: [] for r in range(5)}
+    ring = [
+        Presence(r, store.clone(), key, address="127.0.0.1", on_alarm=lambda g, r=r: heard[r].append(g)).start()
+        for r in range(5)
+    ]
+    try:
+        for r, presence in enumerate(ring):
+            presence.watch(ring_neighbours(r, list(range(5)), ["node"] * 5))
+        deadline = time.monotonic() + 10
+        while not all(len(p._watching) == 2 and len(p._accepted) == 2 for p in ring):
+            assert time.monotonic() < deadline, "the ring never connected"
+            time.sleep(0.02)
+        ring[2].alarm(7)
+        ring[2].alarm(7)  # (once)
+        deadline = time.monotonic() + 5
+        while not all(heard[r] for r in (0, 1, 3, 4)):
+            assert time.monotonic() < deadline, f"not everyone heard: {heard}"
+            time.sleep(0.02)
+        time.sleep(0.3)
+        assert heard == {0: [7], 1: [7], 2: [], 3: [7], 4: [7]}
+        ring[4].alarm(6)  # (an older generation than one passed on already: nothing)
+        time.sleep(0.3)
+        assert heard[0] == [7]
+    finally:
+        for presence in ring:
+            presence.stop(farewell=False)
 
 
 def test_a_peer_no_longer_watched_is_dropped_quietly_and_its_end_is_not_reported(store):

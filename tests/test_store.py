@@ -84,6 +84,27 @@ def test_a_thousand_ranks_keys_are_read_and_written_in_one_call_past_etcds_trans
     assert s.multi_get([f"big/{i}" for i in range(6)]) == big
 
 
+def test_a_wait_asks_nothing_while_it_waits_and_outlives_the_member_it_watches(cluster, monkeypatch):
+    """A wait is told of the write by etcd (a watch) instead of reading again and again: a thousand ranks waiting
+    for one decision would otherwise keep the store busy answering them. When the member it watches on goes, the
+    wait goes on through another."""
+    s = EtcdStore.from_url(cluster.url, "watch")
+    asked, call = [], EtcdStore._call
+    monkeypatch.setattr(EtcdStore, "_call", lambda self, *a: (self is s and asked.append(a[0]), call(self, *a))[1])
+    threading.Timer(2.5, lambda: EtcdStore.from_url(cluster.url, "watch").set("k", "1")).start()
+    s.wait(["k"])
+    assert s.check(["k"]) and len(asked) <= 5, asked  # (a read, one a WATCH_S, the last; reads every 10 ms: 250)
+
+    done = threading.Event()
+    waiting = threading.Thread(target=lambda: (s.wait(["j"]), done.set()))
+    waiting.start()
+    time.sleep(0.3)
+    cluster.kill(s._at)
+    EtcdStore.from_url(cluster.url, "watch").set("j", "1")
+    waiting.join(timeout=15)
+    assert done.is_set()
+
+
 def test_a_gloo_group_forms_over_it(cluster):
     store = EtcdStore.from_url(cluster.url, "gloo")
     group = dist.ProcessGroupGloo(dist.PrefixStore("g/", store.clone()), 0, 1, datetime.timedelta(seconds=10))

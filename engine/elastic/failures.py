@@ -50,11 +50,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from distributed import board
 from distributed.etcd import STORE_ENV
 from distributed.membership import Change, Membership
 from distributed.presence import ended
+from distributed.presence import silent as silent_ranks
 from distributed.transfer import recv_state, send_state
-from engine.elastic.heartbeat import BEAT_S, SILENT_S, Heartbeat
+from engine.elastic.heartbeat import BEAT_S, SILENT_S, WATCHED, Heartbeat
 from engine.elastic.positions import Position, left_behind
 
 DECIDERS = 4  # the first survivors to check in, which watch the others closely until they can decide
@@ -131,7 +133,9 @@ class Failures:
 
     def __init__(self, membership: Membership, hang_timeout_s: float):
         self.membership, self.hang_timeout_s = membership, hang_timeout_s
-        self.heartbeat = Heartbeat(membership, lambda generation: self._key(generation, "in/count"))
+        self.heartbeat = Heartbeat(
+            membership, lambda store, generation: board.count(store, self._key(generation, "in"))
+        )
 
     def _key(self, generation: int, name: str) -> str:
         return self.membership.key(f"failure{generation}/{name}")
@@ -232,27 +236,26 @@ class Failures:
         """Write that ``rank`` saw the failure of ``generation``, as ``cause`` ("died" or "hung"), and return how many
         ranks have checked in so far, itself included. One list and one counter for all ranks, not a key each: who
         has checked in is then learnt with two reads, whatever the number of ranks."""
-        self.membership.store.append(self._key(generation, "in"), f"{rank} {cause},")
-        return int(self.membership.store.add(self._key(generation, "in/count"), 1))
+        arrived = board.post(self.membership.store, self._key(generation, "in"), rank, cause)
+        self.heartbeat.alarm(generation)  # (the peers hear of it from this rank's presence, and pass it on)
+        return arrived
 
     def _checked_in(self, generation: int) -> dict[int, str]:
         """Each rank checked in under ``generation`` (one has, at least), with the cause it saw."""
-        text = self.membership.store.get(self._key(generation, "in")).decode()
-        return {int(rank): cause for rank, cause in (entry.split(" ") for entry in text.split(",") if entry)}
+        return {int(r): cause for r, cause in board.entries(self.membership.store, self._key(generation, "in")).items()}
 
     def _positions(self, generation: int, ranks: list[int], at: Position) -> dict[int, list]:
         """Collective over ``ranks``, the survivors of ``generation``'s failure: each writes where it was, ``at``; all
         read every survivor's ``[step, phase]``. One list the survivors append to, and a counter; the last to write
         marks the list complete, which the others wait for (at most ``hang_timeout_s``: a survivor lost meanwhile
         makes the wait fail, and the caller agrees again)."""
-        store, complete = self.membership.store, self._key(generation, "at/complete")
-        store.append(self._key(generation, "at"), f"{self.membership.rank} {at.step} {at.phase.value}\n")
-        if int(store.add(self._key(generation, "at/count"), 1)) == len(ranks):
+        store, complete, name = self.membership.store, self._key(generation, "at/complete"), self._key(generation, "at")
+        if board.post(store, name, self.membership.rank, f"{at.step} {at.phase.value}") == len(ranks):
             store.set(complete, "1")
         store.wait([complete], datetime.timedelta(seconds=self.hang_timeout_s))
         survivors, where = set(ranks), {}
-        for line in store.get(self._key(generation, "at")).decode().splitlines():
-            rank, step, phase = line.split(" ", 2)  # (a phase's name may have a space)
+        for rank, entry in board.entries(store, name).items():
+            step, phase = entry.split(" ", 1)  # (a phase's name may have a space)
             if int(rank) in survivors:
                 where[int(rank)] = [int(step), phase]
         return where
@@ -269,7 +272,7 @@ class Failures:
         (the deciders may be lost as well). So the first to decide is as quick as when everyone watched everyone, and
         the store is not asked the same question by a thousand ranks twenty times a second."""
         m = self.membership
-        decision, count_key = self._key(generation, "decision"), self._key(generation, "in/count")
+        decision, checked_in = self._key(generation, "decision"), self._key(generation, "in")
         start = time.monotonic()
         if not decider:
             try:
@@ -281,25 +284,33 @@ class Failures:
         # thread's reads
         seen = self.heartbeat.seen()
         missing = {r for r in m.ranks if r != m.rank}  # not checked in (yet)
-        arrived = 0
+        # A rank's beats reach the store every period (BEAT_S in a small world, seconds in a large one, where its
+        # watchers report its silence first): silent is a period late by SILENT_S.
+        small, quiet_s = len(m.ranks) <= WATCHED + 1, SILENT_S + self.heartbeat.period_s - BEAT_S
+        arrived, beats, read_at = 0, {}, -float("inf")
         while True:
             if m.store.check([decision]):
                 return [], []
-            now_arrived = int(m.store.add(count_key, 0))
+            now_arrived = board.count(m.store, checked_in)
             if now_arrived != arrived:
                 arrived = now_arrived
                 missing.difference_update(self._checked_in(generation))
             silent, waiting = [], []
-            gone = ended(m.store, m.key) & missing  # (their processes ended: a watcher saw their connection close)
-            beats = self._beats(sorted(missing - gone), seen)
+            # their processes ended (a watcher saw their connection close), or their watchers hear nothing from them
+            gone = (ended(m.store, m.key) | silent_ranks(m.store, m.key, generation)) & missing
+            if small or time.monotonic() - read_at >= self.heartbeat.period_s:  # (in the store once a period)
+                beats, read_at = self._beats(sorted(missing - gone), seen), time.monotonic()
             now = time.monotonic()
             for r, beats_read in beats.items():
+                if r in gone or r not in missing:
+                    continue
                 if r not in seen or seen[r][0] != beats_read:
                     seen[r] = (beats_read, now)
-                (silent if now - seen[r][1] >= SILENT_S else waiting).append(r)
+                (silent if now - seen[r][1] >= quiet_s else waiting).append(r)
+            waiting += [r for r in missing - gone if r not in beats]  # (not read yet)
             silent = sorted(silent + list(gone))
-            if not waiting or now - start > self.hang_timeout_s + SILENT_S:
-                return silent, waiting
+            if not waiting or now - start > self.hang_timeout_s + quiet_s:
+                return silent, sorted(waiting)
             time.sleep(BEAT_S / 4)
 
     def _beats(self, ranks: list[int], seen: dict[int, tuple[int, float]]) -> dict[int, int]:

@@ -28,7 +28,7 @@ from algorithms.base import SyncReport
 from distributed.comm import tensor_bytes
 from distributed.membership import Membership, host_names
 from engine.elastic.failures import Failures, may_be_a_loss, unreachable
-from engine.elastic.heartbeat import BEAT_S, FENCE_S
+from engine.elastic.heartbeat import BEAT_S
 from engine.elastic.positions import Entry, Phase, Position, Site
 
 HISTORY = 4096  # records kept for a peer that falls behind by a collective and must write them
@@ -87,7 +87,7 @@ class SurvivingGuard:
                 raise RuntimeError(f"entered the {phase.value} at step {step}, not {entering.position.step}")
             self._entering = None
         self._at = Entry(Position(step, phase), site, carry or {})
-        if self.failures.heartbeat.silent_for() > FENCE_S:
+        if self.failures.heartbeat.cut_off():
             self._fence(epoch)
         while True:
             try:
@@ -113,7 +113,8 @@ class SurvivingGuard:
                 pass  # this rank now holds the front's state: enter where the front is
 
     def _fence(self, epoch: int) -> None:
-        """This rank's beats have not reached the store for :data:`FENCE_S`: it may be cut off from the others, who
+        """This rank's beats have not reached the store for :data:`FENCE_S` past their period, or nothing came from
+        the peers it watches for as long (``Heartbeat.cut_off``): it may be cut off from the others, who
         give it up after :data:`SILENT_S`. Nothing more is trained or written here (a step on its own, a record, a
         checkpoint) until the store answers: then, if the others agreed on a failure meanwhile, this rank joins that
         agreement (and leaves, if it was removed); if the store does not answer within ``hang_timeout_s``, this rank

@@ -1,7 +1,10 @@
 """Every rank's heartbeat (``trainer.on_failure=continue``): a background thread that beats this rank's counter in
-the store and reads some peers' in turn, so that when a collective fails how long each peer has been silent is
-already known (``failures.py`` decides with it), and that rings the membership's alarm once another rank checked
-in to a failure of the current generation."""
+the store and, in a small world, reads its peers' in turn, so that when a collective fails how long each peer has
+been silent is already known (``failures.py`` decides with it), and that rings the membership's alarm once another
+rank checked in to a failure of the current generation. Beside it, the rank's presence (``distributed/presence.py``)
+beats to its watchers directly, reports its watched neighbours' ends and silences, and passes alarms round the ring:
+in a world of more than :data:`WATCHED` + 1 ranks that is how silences and alarms travel, and the store hears each
+rank's beat only every :func:`store_period` (the store then serves :data:`STORE_BEATS_S` beats a second in all)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,16 @@ WATCHED = 16  # peers whose beats one heartbeat tick reads, in turn (all of them
 # A rank whose beats have not reached the store for this long may be on the side of a partition that the others are
 # about to give up (after SILENT_S): it stops where it is until the store answers again (engine/elastic/guard.py).
 FENCE_S = SILENT_S / 2
+STORE_BEATS_S = 100  # beyond WATCHED + 1 ranks: the beats a second the store is asked to take, from all ranks
+
+
+def store_period(ranks: int) -> float:
+    """How often a rank of a world of ``ranks`` beats in the store: every :data:`BEAT_S` up to :data:`WATCHED` + 1
+    ranks (each tick reads every peer's beat there); beyond, so that all of them together write
+    :data:`STORE_BEATS_S` beats a second (every 10 s at 1024 ranks: an etcd cluster serves a few thousand writes a
+    second, where 1024 ranks beating every 0.2 s would ask 5,000), their silences being reported by their
+    watchers instead (``distributed/presence.py``)."""
+    return BEAT_S if ranks <= WATCHED + 1 else max(BEAT_S, ranks / STORE_BEATS_S)
 
 
 class Heartbeat:
@@ -34,15 +47,17 @@ class Heartbeat:
     collective fails after ``trainer.hang_timeout_s`` (60 s), which leaves room for it up to several thousand ranks.
     Reading every peer every tick would have the store serve N² keys per tick, 5 million a second at 1024 ranks."""
 
-    def __init__(self, membership: Membership, alarm_key: Callable[[int], str] | None = None):
+    def __init__(self, membership: Membership, alarmed: Callable[[Any, int], bool] | None = None):
         self.membership = membership
-        self.alarm_key = alarm_key  # generation -> the key a rank writes when it sees a collective of it fail
+        self.alarmed = alarmed  # (store, generation) -> whether a rank checked in to a failure of it
         self._loop: StoreLoop | None = None
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it last changed: time.monotonic)
         self._next = 0  # where among the active ranks the next tick's reads begin
         self.presence: Presence | None = None  # this rank's port and its watch on its neighbours' processes
         self._neighbours_of: list[int] | None = None  # the active ranks the presence's watch was worked out for
+        self._ring: set[int] = set()
         self.beaten_at: float | None = None  # when a beat last reached the store (time.monotonic)
+        self.period_s = BEAT_S  # how often this rank beats in the store (store_period)
 
     def key(self, rank: int) -> str:
         return self.membership.key(f"beat/{rank}")
@@ -55,21 +70,30 @@ class Heartbeat:
         m = self.membership
         own = self.key(m.rank)
         try:
-            self.presence = Presence(m.rank, m.store.clone(), m.key).start()
+            generation = lambda: m.generation  # noqa: E731
+            self.presence = Presence(m.rank, m.store.clone(), m.key, None, generation, self._passed_on)
+            self.presence.neighbours = self._neighbours
+            self.presence.start()
         except OSError as error:  # (no port to listen on: the peers still find this rank's end by its silence)
             print(f"relaxsync: rank {m.rank} cannot listen for its watchers ({error}); a loss of it is seen by its "
                   f"silence only", file=sys.stderr, flush=True)  # fmt: skip
 
-        count = itertools.count(1)
+        count, written = itertools.count(1), [0.0]
 
         def beat(store: Any) -> bool:
-            store.set(own, str(next(count)))  # (a write of one key: not ``add``, which a replicated store reads first)
-            if self.silent_for() <= FENCE_S:  # (after a longer silence the loop asks the store first: revive)
-                self.beaten_at = time.monotonic()
+            small = len(m.ranks) <= WATCHED + 1
+            self.period_s = store_period(len(m.ranks))
+            if time.monotonic() - written[0] >= self.period_s - BEAT_S / 2:  # (every tick in a small world)
+                store.set(own, str(next(count)))  # (a write of one key: not ``add``, which a replicated store reads)
+                written[0] = time.monotonic()
+                if self.overdue() <= FENCE_S:  # (after a longer silence the loop asks the store first: revive)
+                    self.beaten_at = written[0]
+            if self._loop is not None:  # (beyond a small world the thread wakes only to beat in the store)
+                self._loop.period_s = BEAT_S if small else self.period_s
             try:
-                self._watch_neighbours()
-                self._watch(store)
-                self._listen(store)
+                if small:  # (beyond, the presence reports silences and passes alarms on)
+                    self._watch(store)
+                    self._listen(store)
             except Exception:  # a failed read must not stop the beats that tell the others this rank is alive
                 pass
             return False  # beat until stopped
@@ -83,6 +107,28 @@ class Heartbeat:
             return 0.0
         return time.monotonic() - self.beaten_at
 
+    def overdue(self) -> float:
+        """Seconds by which this rank's next beat in the store is late (:meth:`silent_for` less the period)."""
+        return max(0.0, self.silent_for() - (self.period_s - BEAT_S))
+
+    def cut_off(self) -> bool:
+        """Whether this rank may be cut off from the others: its beats have not reached the store for
+        :data:`FENCE_S` past their period, or nothing came from the peers it watches for as long (where the store
+        hears it only every few seconds, that is what tells first)."""
+        presence = self.presence
+        return self.overdue() > FENCE_S or (presence is not None and presence.unheard_for() > FENCE_S)
+
+    def alarm(self, generation: int) -> None:
+        """This rank saw a collective of ``generation`` fail: its peers hear of it through the presence."""
+        if self.presence is not None:
+            self.presence.alarm(generation)
+
+    def _passed_on(self, generation: int) -> None:
+        """A peer passed on an alarm of ``generation`` (on the presence's thread): ring it if it is the current one."""
+        m = self.membership
+        if generation == m.generation and m.alarm.rung(generation) is None:
+            m.ring(generation, f"relaxsync: a peer saw a collective fail (failure {generation}): a peer is lost")
+
     def revive(self) -> None:
         """The loop has asked the store what the others decided while this rank was silent (``guard.py``): its
         beats count again, and it beats again if the store had stopped answering (the loop ends at a store error).
@@ -94,15 +140,14 @@ class Heartbeat:
         if self._loop is not None and not self._loop.running():
             self._loop = self.membership.every(BEAT_S, self._beat, "relaxsync-heartbeat", hurried=True).start()
 
-    def _watch_neighbours(self) -> None:
-        """Have the presence watch this rank's ring neighbours among the active ranks, worked out again only when
-        the active ranks change (a change replaces the list)."""
-        m, presence = self.membership, self.presence
-        if presence is None or self._neighbours_of is m.ranks:
-            return
-        ranks = m.ranks
-        presence.watch(ring_neighbours(m.rank, ranks, m.nodes))
-        self._neighbours_of = ranks
+    def _neighbours(self) -> set[int]:
+        """This rank's ring neighbours among the active ranks, which its presence watches (asked on the presence's
+        thread at each of its beats), worked out again only when the active ranks change (a change replaces the
+        list)."""
+        m, ranks = self.membership, self.membership.ranks
+        if self._neighbours_of is not ranks:
+            self._ring, self._neighbours_of = ring_neighbours(m.rank, ranks, m.nodes), ranks
+        return self._ring
 
     def _watch(self, store: Any) -> None:
         """Read the next peers' beats. Peers silent for :data:`SILENT_S` are most likely gone: the group the others
@@ -138,9 +183,9 @@ class Heartbeat:
         this rank may be waiting on a collective that nothing will fail here (distributed/alarm.py)."""
         m = self.membership
         generation = m.generation
-        if self.alarm_key is None or m.alarm.rung(generation) is not None:
+        if self.alarmed is None or m.alarm.rung(generation) is not None:
             return
-        if store.check([self.alarm_key(generation)]):
+        if self.alarmed(store, generation):
             m.ring(generation, f"relaxsync: another rank saw a collective fail (failure {generation}): a peer is lost")
 
     def stop(self, farewell: bool = True) -> None:

@@ -1,0 +1,40 @@
+"""A board: entries that ranks post under one name, one each, read as a whole in the order they came.
+
+The survivors of a failure check in on one (``engine/elastic/failures.py``), and write where they were on another.
+On torch's ``TCPStore`` a board is one value that each post appends to and a counter beside it (the server applies
+both in memory, one after the other). On etcd an append or an add is a read and a conditional write, and a thousand
+ranks appending to one key at the same moment would retry each other's writes a million times over; there each post
+is a key of its own under the board's name (:meth:`distributed.etcd.EtcdStore.post`), which no other post touches, and
+a post's place in the order is the number of entries created up to its own write.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def post(store: Any, name: str, member: int | str, value: str) -> int:
+    """Post ``value`` as ``member``'s entry on board ``name`` (replacing the member's earlier one, if any); returns how
+    many entries it holds with this one (its place in the order, from 1, for a member's first post)."""
+    if hasattr(store, "post"):
+        return int(store.post(name, str(member), value))
+    store.append(name, f"{member} {value}\n")
+    return int(store.add(f"{name}/count", 1))
+
+
+def entries(store: Any, name: str) -> dict[str, str]:
+    """Every member's entry on board ``name``, member -> value, in the order the members first posted (none:
+    empty)."""
+    if hasattr(store, "post"):
+        return dict(store.entries(name))
+    if not store.check([name]):
+        return {}
+    lines = store.get(name).decode().splitlines()
+    return dict(line.split(" ", 1) for line in lines if line)  # (a member's later post replaces its earlier one)
+
+
+def count(store: Any, name: str) -> int:
+    """How many posts board ``name`` holds (members, where each posts once)."""
+    if hasattr(store, "post"):
+        return int(store.count(name))
+    return int(store.add(f"{name}/count", 0))
