@@ -23,17 +23,20 @@ signal, stuck in a file system or a driver). Either way :meth:`Failures.recover`
    (:meth:`Failures.heal`): the lowest rank of the front sends it what it needs to enter the loop where the front
    is, as torchft heals a replica from a live peer. Nobody applies a step that the others do not.
 
-The store lives with torchrun's agent on the first node: if that node dies there is nothing to agree through,
-and the survivors stop with the store's error (docs/failures.md). It is one server for the whole run, so what each
-rank asks of it does not grow with the number of ranks: a heartbeat tick reads a few peers' counters, not all of
-them; the survivors check in on one list and a counter, not a key each; only the first few to check in watch the
-others closely, the rest mostly wait for the decision; and the survivors' positions are written to one list
-(docs/benchmarks/membership.md measures it at up to 1024 ranks).
+The store is torch's, with torchrun's agent on the first node (if that node dies there is nothing to agree
+through, and the survivors stop with the store's error), or an etcd cluster that survives any node
+(``trainer.store``; docs/failures.md). Either way it is one service for the whole run, so what each rank asks of it
+does not grow with the number of ranks: beyond 17 ranks the heartbeat writes there every few seconds and reads
+nothing (the watchers report silences: ``distributed/presence.py``); the survivors check in and write where they
+were on boards (``distributed/board.py``: on etcd a key per post, which no other post upsets); only the first few to
+check in watch the others closely, the rest mostly wait for the decision (docs/benchmarks/membership.md measures it
+at up to 1024 ranks).
 
 A dead peer fails a collective at once only on the ranks that exchange with it; the others wait on survivors that
-gave that collective up. So every rank's heartbeat thread also watches for a check-in to a failure of the current
-generation and, seeing one, rings the membership's alarm, which ends every wait of that generation on its rank
-(``distributed/alarm.py``): the rank then checks in like the others, within a beat.
+gave that collective up. So a rank that checks in passes an alarm round the ring through its presence, and (up to
+17 ranks) every rank's heartbeat thread also looks for a check-in to a failure of the current generation; either
+rings the membership's alarm, which ends every wait of that generation on its rank (``distributed/alarm.py``): the
+rank then checks in like the others.
 """
 
 from __future__ import annotations
