@@ -112,7 +112,8 @@ class Presence:
     """This rank's listening port and its connections to the peers it watches (the module docstring). ``store``:
     a store connection for this object's thread alone; ``key``: a name -> the run's key for it; ``generation``: the
     membership's current generation (silences are reported under it); ``on_alarm(generation)``: called on this
-    object's thread when a peer passes on an alarm (:meth:`alarm`)."""
+    object's thread when a peer passes on an alarm (:meth:`alarm`); ``neighbours()``: the peers to watch, asked at
+    each beat (without it, :meth:`watch` says)."""
 
     def __init__(
         self,
@@ -122,6 +123,7 @@ class Presence:
         address: str | None = None,
         generation: Callable[[], int] = lambda: 0,
         on_alarm: Callable[[int], None] | None = None,
+        neighbours: Callable[[], set[int]] | None = None,
         beat_s: float = BEAT_S,
         silent_s: float = SILENT_S,
     ):
@@ -144,7 +146,7 @@ class Presence:
         self._alarm_due = False
         self._beaten = 0.0
         self._rewatch = False  # (the thread's next wake-up looks at the watch again)
-        self.neighbours: Callable[[], set[int]] | None = None  # the peers to watch, asked at each beat (or: watch())
+        self.neighbours = neighbours  # the peers to watch, asked at each beat (without it: watch())
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = socket.socketpair()
         self._stopping = False

@@ -71,9 +71,9 @@ class Heartbeat:
         own = self.key(m.rank)
         try:
             generation = lambda: m.generation  # noqa: E731
-            self.presence = Presence(m.rank, m.store.clone(), m.key, None, generation, self._passed_on)
-            self.presence.neighbours = self._neighbours
-            self.presence.start()
+            self.presence = Presence(
+                m.rank, m.store.clone(), m.key, None, generation, self._passed_on, self._neighbours
+            ).start()
         except OSError as error:  # (no port to listen on: the peers still find this rank's end by its silence)
             print(f"relaxsync: rank {m.rank} cannot listen for its watchers ({error}); a loss of it is seen by its "
                   f"silence only", file=sys.stderr, flush=True)  # fmt: skip
