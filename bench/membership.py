@@ -14,8 +14,10 @@ interpreter runs one thread at a time and a thousand ranks' client-side work nee
 real rank has and a simulated one has not is a core of its own: the ranks' own work shares this machine's cores, so
 the beats per rank and second (5 at the period) and the cores busy are reported with every number.
 
-Only the group formation is replaced: ``distributed.membership.form_group`` (``new_group`` and a first collective)
-returns a placeholder; everything else in ``Membership.propose/adopt`` and ``Failures.recover`` is the real code.
+Only the group is replaced: ``distributed.membership.form_group`` (``new_group`` and a first collective) returns a
+placeholder, and the one collective run on it in a large world (``failures.gather_positions``: the survivors'
+positions, gathered in their new group) hands each survivor the positions the simulation gave the ranks; everything
+else in ``Membership.propose/adopt`` and ``Failures.recover`` is the real code.
 What forming a real gloo group costs is measured apart, at the sizes this machine can start (``--form-group``), and
 so is what the store's server serves at most here (``--server-capacity``).
 
@@ -192,6 +194,13 @@ NICE = 10  # the simulating processes' niceness (the store's server keeps 0)
 
 
 # ---- the simulation ------------------------------------------------------------------------------------------------
+class PlaceholderGroup:
+    """What ``form_group`` returns in the simulation: the group's ranks, and nothing to run a collective on."""
+
+    def __init__(self, ranks: list[int]):
+        self.ranks = list(ranks)
+
+
 class Shard:
     """Some of the simulated ranks, in one process: per rank a ``Membership`` on a store connection of its own
     (counted), its ``Failures`` and their heartbeat thread, and a thread that stands for the rank's training loop: it
@@ -214,11 +223,23 @@ class Shard:
         self._module, self._form_group, self._stack = membership_module, membership_module.form_group, None
         self.formed = 0
 
+        def position(rank: int) -> Any:
+            behind_it = rank == behind  # (a collective short of the others)
+            return Position(POSITION_STEP - 1, Phase.EXCHANGE) if behind_it else Position(POSITION_STEP, Phase.STEP)
+
         def placeholder_group(ranks: list[int], timeout: Any = None, wait: Any = None) -> object:
             self.formed += 1
-            return object()
+            return PlaceholderGroup(ranks)
+
+        def gathered_positions(group: Any, at: Any, wait: Any) -> dict[int, list]:
+            # (the collective over the placeholder: each member's position, as every simulated rank holds it)
+            return {r: position(r).wire() for r in group.ranks}
 
         membership_module.form_group = placeholder_group
+        self._gather = getattr(failures_module, "gather_positions", None)  # (a revision before it: none)
+        if self._gather is not None:
+            failures_module.gather_positions = gathered_positions
+        self._failures_module = failures_module
         self._stack = threading.stack_size(512 * 1024)  # (two threads per rank: the default 8 MiB stacks add up)
 
         class SimulatedMembership(Membership):
@@ -247,6 +268,8 @@ class Shard:
         self.tallies = [s.tally for s in stores.values()] + [t for s in stores.values() for t in s.clones]
         self.beats = [t for s in stores.values() for t in s.clones]
         self.own = [s.tally for s in stores.values()]
+        self._own = {r: s.tally for r, s in stores.items()}
+        self._asked_before: dict[int, int] = {}
 
         self.collective = threading.Event()
         self.outcomes: dict[int, dict[str, Any]] = {}
@@ -254,7 +277,7 @@ class Shard:
         def rank_main(rank: int) -> None:
             self.collective.wait()
             out = self.outcomes[rank] = {"entered": time.monotonic()}
-            at = Position(POSITION_STEP - 1, Phase.EXCHANGE) if rank == behind else Position(POSITION_STEP, Phase.STEP)
+            at = position(rank)
             cpu = time.thread_time()
             try:
                 rec = self.failures[rank].recover(RuntimeError("Connection closed by peer [127.0.0.1]:29500"), at)
@@ -299,7 +322,11 @@ class Shard:
             if r in self.failures:
                 self.failures[r].heartbeat.stop(farewell=False)
 
+    def _asked(self) -> dict[int, int]:
+        return {r: sum(t.snapshot()[0].values()) for r, t in self._own.items()}
+
     def fail(self) -> None:
+        self._asked_before = self._asked()
         self.collective.set()
 
     def outcome(self, deadline: float) -> dict[str, Any]:
@@ -309,7 +336,9 @@ class Shard:
         ranks = {}
         for r, out in list(self.outcomes.items()):
             ranks[r] = {**out, "decided": self.memberships[r].decided_at}
-        return {"ranks": ranks, "formed": self.formed}
+        after = self._asked()  # (the survivors whose own connection asked the store anything in the agreement)
+        asked = sorted(r for r in ranks if after[r] > self._asked_before.get(r, 0))
+        return {"ranks": ranks, "formed": self.formed, "asked": asked}
 
     def close(self) -> None:
         """Stop the heartbeats (when no survivor is still in the store) and put ``form_group`` back."""
@@ -317,6 +346,8 @@ class Shard:
             with ThreadPoolExecutor(32) as pool:
                 list(pool.map(lambda f: f.heartbeat.stop(), self.failures.values()))
         self._module.form_group = self._form_group
+        if self._gather is not None:
+            self._failures_module.gather_positions = self._gather
         threading.stack_size(self._stack or 0)
 
 
@@ -453,6 +484,9 @@ def simulate(
         "removed_exactly_killed": bool(agreed) and all(a["change"]["removed"] == killed for a in agreed),
         "behind_agreed": bool(agreed) and all(a["behind"] == [survivors[-1]] for a in agreed),
         "groups_formed": sum(part["formed"] for part in outcomes),
+        # the survivors that asked the store anything in the agreement (the rest heard the decision from a neighbour)
+        "survivors_asking": sum(len(part.get("asked", [])) for part in outcomes),
+        "asked": sorted(r for part in outcomes for r in part.get("asked", []))[:128],
         "entered_s": summary(out["entered"] - failed_at for out in ranks.values()),  # the simulation's own lag
         "decided_s": summary(out["decided"] - failed_at for out in ranks.values() if out["decided"] is not None),
         "recovered_s": summary(done.values()),

@@ -44,6 +44,16 @@ _instances = itertools.count()  # Memberships made in this process: every rank m
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for a group or a store without one
 _groups = itertools.count()  # groups this process built: each needs a name of its own in torch's registry
 AHEAD_POLL_S = 0.02  # how often a group formed ahead looks whether all its members prepare it
+SMALL_WORLD = 17  # up to this many ranks, each rank's background threads look in the store at their own period
+LOOKS_S = 100  # beyond, the looks a second that one kind of background thread asks of the store, from all ranks
+
+
+def look_period(period_s: float, ranks: int) -> float:
+    """How often each rank of a world of ``ranks`` does what a background thread does every ``period_s`` in a small
+    world (a beat, a look for a stop or a joiner): so that beyond :data:`SMALL_WORLD` ranks all of them together ask
+    the store :data:`LOOKS_S` times a second (every 10 s at 1024 ranks), where every 0.2 s would ask an etcd cluster
+    5,000 times a second, more than it serves."""
+    return period_s if ranks <= SMALL_WORLD else max(period_s, ranks / LOOKS_S)
 
 
 class LeftRun(SystemExit):
@@ -507,14 +517,17 @@ class Membership:
             "agreements": self._agreements,
         }
 
-    def every(self, period_s: float, tick: Callable[[Any], bool], name: str, hurried: bool = False) -> StoreLoop:
+    def every(
+        self, period_s: float, tick: Callable[[Any], bool], name: str, hurried: bool = False, spread: bool = False
+    ) -> StoreLoop:
         """A background thread (not started) calling ``tick(store)`` every ``period_s`` on a store connection of
         its own, so that it never waits behind the main thread's blocking store calls; ``hurried``: a replicated
-        store's call moves to another member after a short wait (``EtcdStore.hurried``: a heartbeat's)."""
+        store's call moves to another member after a short wait (``EtcdStore.hurried``: a heartbeat's); ``spread``:
+        every :func:`look_period` of ``period_s`` for the active ranks of the moment instead."""
         store = self.store.clone()
         if hurried and hasattr(store, "hurried"):
             store = store.hurried()
-        return StoreLoop(store, period_s, tick, name)
+        return StoreLoop(store, period_s, tick, name, (lambda: len(self.ranks)) if spread else None)
 
     def __repr__(self) -> str:
         return f"Membership(rank={self.rank}, ranks={self.ranks}, initial_size={self.initial_size})"
@@ -581,8 +594,16 @@ class StoreLoop:
     """A daemon thread that calls ``tick(store)`` every ``period_s`` seconds (first at once) until ``tick`` returns
     True, the store becomes unreachable (its node died: nothing more to learn from it or tell it), or ``stop()``."""
 
-    def __init__(self, store: Any, period_s: float, tick: Callable[[Any], bool], name: str):
+    def __init__(
+        self,
+        store: Any,
+        period_s: float,
+        tick: Callable[[Any], bool],
+        name: str,
+        ranks: Callable[[], int] | None = None,
+    ):
         self.store, self.period_s, self.tick = store, period_s, tick
+        self.ranks: Callable[[], int] | None = ranks  # (given: the period is look_period's for that many ranks)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -605,4 +626,4 @@ class StoreLoop:
                     return
             except Exception:
                 return
-            self._done.wait(self.period_s)
+            self._done.wait(look_period(self.period_s, self.ranks()) if self.ranks is not None else self.period_s)

@@ -20,7 +20,9 @@ without reading its beats in the store, which is what lets a world of a thousand
 writes to the store every 0.2 s (the heartbeat then writes there far less often: ``engine/elastic/heartbeat.py``).
 
 A rank that sees a collective fail passes an alarm on to its peers, both ways, and each passes it on in turn, once:
-every rank learns of the failure within a few hops of the ring and ends its own wait, without polling the store.
+every rank learns of the failure within a few hops of the ring and ends its own wait, without polling the store. The
+survivors' decision travels the same way (:meth:`Presence.announce`), from the few ranks that read it in the store:
+in a large world the others learn it from their neighbours instead of each asking the store.
 
 The connections are kept (``distributed/connections.py``) so that cutting a replaced gloo group never shuts one of
 them down, which would read as a farewell-less end of file on both sides.
@@ -32,6 +34,7 @@ import contextlib
 import fcntl
 import ipaddress
 import os
+import queue
 import select
 import socket
 import struct
@@ -46,6 +49,7 @@ from distributed.connections import Connections, _inode, forget, keep
 BEAT = b"."  # sent to each watcher every beat_s
 BYE = b"bye"
 ALARM = b"!"  # b"!<generation>\n": a collective of that generation failed
+DECISION = b"="  # b"=<generation> <what the survivors of its failure agreed, one line>\n"
 SILENT_S = 2.0  # a watched peer that sent nothing for this long is reported silent (the heartbeat's SILENT_S)
 BEAT_S = SILENT_S / 4  # a beat to each watcher this often: a silence is four beats missed
 CONNECT_TIMEOUT_S = 0.5  # a connection to a peer's port that takes longer is tried again at the next look
@@ -89,10 +93,10 @@ def reachable_address(env: dict[str, str] | os._Environ = os.environ) -> str:
     return "127.0.0.1"
 
 
-def ring_neighbours(rank: int, ranks: list[int], nodes: list[str]) -> set[int]:
-    """The ranks ``rank`` watches: its two neighbours among ``ranks`` (the active ones; ``nodes``: rank -> node name)
-    ordered by their index on their node, then by node, so that a neighbour is on another node whenever the ranks
-    span two nodes or more."""
+def ring_order(ranks: list[int], nodes: list[str]) -> list[int]:
+    """``ranks`` (the active ones; ``nodes``: rank -> node name) in the order of the ring the presences form: by
+    their index on their node, then by node, so that ranks next to each other are on different nodes whenever the
+    ranks span two nodes or more (a node's first rank, then every other node's first rank, then their seconds...)."""
     order_of_nodes: dict[str, int] = {}
     place: dict[int, tuple[int, int]] = {}  # rank -> (its index on its node, its node's order)
     seen: dict[str, int] = {}
@@ -101,7 +105,13 @@ def ring_neighbours(rank: int, ranks: list[int], nodes: list[str]) -> set[int]:
         order_of_nodes.setdefault(node, len(order_of_nodes))
         place[r] = (seen.get(node, 0), order_of_nodes[node])
         seen[node] = place[r][0] + 1
-    ring = sorted(ranks, key=place.__getitem__)
+    return sorted(ranks, key=place.__getitem__)
+
+
+def ring_neighbours(rank: int, ranks: list[int], nodes: list[str]) -> set[int]:
+    """The ranks ``rank`` watches: its two neighbours in :func:`ring_order` of ``ranks``, so that a neighbour is on
+    another node whenever the ranks span two nodes or more."""
+    ring = ring_order(ranks, nodes)
     if rank not in ring or len(ring) < 2:
         return set()
     i = ring.index(rank)
@@ -112,8 +122,9 @@ class Presence:
     """This rank's listening port and its connections to the peers it watches (the module docstring). ``store``:
     a store connection for this object's thread alone; ``key``: a name -> the run's key for it; ``generation``: the
     membership's current generation (silences are reported under it); ``on_alarm(generation)``: called on this
-    object's thread when a peer passes on an alarm (:meth:`alarm`); ``neighbours()``: the peers to watch, asked at
-    each beat (without it, :meth:`watch` says)."""
+    object's thread when a peer passes on an alarm (:meth:`alarm`); ``on_decision(generation, decision)``: the same
+    for a decision (:meth:`announce`); ``neighbours()``: the peers to watch, asked at each beat (without it,
+    :meth:`watch` says)."""
 
     def __init__(
         self,
@@ -126,6 +137,7 @@ class Presence:
         neighbours: Callable[[], set[int]] | None = None,
         beat_s: float = BEAT_S,
         silent_s: float = SILENT_S,
+        on_decision: Callable[[int, bytes], None] | None = None,
     ):
         self.rank, self.store, self.key = rank, store, key
         self.generation, self.on_alarm, self.beat_s, self.silent_s = generation, on_alarm, beat_s, silent_s
@@ -144,6 +156,9 @@ class Presence:
         self._pending: dict[int, bytes] = {}  # a connection's bytes not yet a whole message (by file descriptor)
         self._alarmed = -1  # the latest generation this rank passed an alarm on for
         self._alarm_due = False
+        self.on_decision = on_decision
+        self._announced: dict[int, bytes] = {}  # generation -> the decision passed on for it (the latest few)
+        self._announce_due: list[bytes] = []
         self._beaten = 0.0
         self._rewatch = False  # (the thread's next wake-up looks at the watch again)
         self.neighbours = neighbours  # the peers to watch, asked at each beat (without it: watch())
@@ -151,6 +166,11 @@ class Presence:
         self._wake_r, self._wake_w = socket.socketpair()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # What this rank writes in the store (ends and silences it saw) goes through a thread of its own: a store that
+        # is slow to answer (a replicated one under load) must not hold the beats, or its watchers would take this
+        # rank for silent in turn.
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
 
     def _keep(self, sock: socket.socket) -> None:
         fd = sock.fileno()
@@ -167,7 +187,15 @@ class Presence:
         self.store.set(self.key(f"presence/{self.rank}"), f"{self.address}:{port}")
         self._thread = threading.Thread(target=self._run, name="relaxsync-presence", daemon=True)
         self._thread.start()
+        self._writer = threading.Thread(target=self._write, name="relaxsync-presence-writes", daemon=True)
+        self._writer.start()
         return self
+
+    def _write(self) -> None:
+        """The writer thread: each write queued, in order, until stopped (a None)."""
+        while (job := self._outbox.get()) is not None:
+            with contextlib.suppress(Exception):  # (the store gone: the others find the silence by the store's beats)
+                job()
 
     def watch(self, peers: Iterable[int]) -> None:
         """Watch ``peers`` from now on (connections to the others are closed, quietly)."""
@@ -188,6 +216,22 @@ class Presence:
         with contextlib.suppress(OSError):
             self._wake_w.send(b"a")
 
+    def announce(self, generation: int, decision: bytes) -> None:
+        """Pass on to every connected peer, both ways, what the survivors of ``generation``'s failure agreed
+        (``decision``: one line, as the store holds it), once for each generation, as :meth:`alarm` does."""
+        if b"\n" in decision:
+            raise ValueError("a decision passed round the ring is one line")
+        with self._lock:
+            if generation in self._announced:
+                return
+            self._announced[generation] = decision
+            for old in sorted(self._announced)[:-4]:  # (a few kept: a late copy of an old one is not passed on)
+                if old < generation:
+                    del self._announced[old]
+            self._announce_due.append(DECISION + str(generation).encode() + b" " + decision + b"\n")
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"d")
+
     def unheard_for(self) -> float:
         """Seconds since anything came from the peers this rank watches (0 while it is connected to none)."""
         heard = [self._heard.get(p) for p in list(self._watching)]
@@ -202,6 +246,9 @@ class Presence:
             self._wake_w.send(b"s")
         if self._thread is not None:
             self._thread.join(timeout=2.0)
+        self._outbox.put(None)
+        if self._writer is not None:
+            self._writer.join(timeout=2.0)  # (what was queued is written first, unless the store holds it)
         for sock in self._accepted:
             if farewell:
                 with contextlib.suppress(OSError):
@@ -301,7 +348,7 @@ class Presence:
         self._heard.pop(peer, None)
         if peer in self._silent:
             self._silent.discard(peer)
-            self._report(f"{peer}-")
+            self._report(peer, False)
 
     def _messages(self, sock: socket.socket) -> tuple[list[bytes], bool]:
         """The whole messages that came on ``sock`` (beats, farewells, alarms), and whether it ended."""
@@ -321,10 +368,10 @@ class Presence:
             elif buffer.startswith(BYE):
                 messages.append(BYE)
                 buffer = buffer[len(BYE) :]
-            elif buffer[:1] == ALARM and b"\n" in buffer:
+            elif buffer[:1] in (ALARM, DECISION) and b"\n" in buffer:
                 line, buffer = buffer.split(b"\n", 1)
                 messages.append(line)
-            elif buffer[:1] == ALARM or BYE.startswith(buffer):  # (the rest of it comes with the next read)
+            elif buffer[:1] in (ALARM, DECISION) or BYE.startswith(buffer):  # (the rest of it comes with the next read)
                 self._pending[sock.fileno()] = buffer
                 break
             else:  # (nothing this module writes: skipped)
@@ -339,6 +386,15 @@ class Presence:
                     with contextlib.suppress(Exception):
                         self.on_alarm(generation)
                 self.alarm(generation)  # (passed on, once)
+            elif message[:1] == DECISION:
+                head, _, decision = message[1:].partition(b" ")
+                if not head.isdigit() or not decision:
+                    continue
+                generation = int(head)
+                if generation not in self._announced and self.on_decision is not None:
+                    with contextlib.suppress(Exception):
+                        self.on_decision(generation, decision)
+                self.announce(generation, decision)  # (passed on, once)
 
     def _read(self, peer: int, sock: socket.socket) -> None:
         """What came from a watched peer: beats, an alarm, its farewell, its end."""
@@ -361,9 +417,13 @@ class Presence:
         with self._lock:
             still_wanted = peer in self._wanted
         if still_wanted:
-            with contextlib.suppress(Exception):  # (the store gone too: the silence decides, as before)
-                self.store.append(self.key("presence/ended"), f"{peer},")
-            self.reported.append(peer)  # (after the store has it: a reader of both sees it there first)
+
+            def report() -> None:
+                with contextlib.suppress(Exception):  # (the store gone too: the silence decides, as before)
+                    self.store.append(self.key("presence/ended"), f"{peer},")
+                self.reported.append(peer)  # (after the store has it: a reader of both sees it there first)
+
+            self._outbox.put(report)
 
     def _read_watcher(self, sock: socket.socket) -> None:
         """What came from a watcher: an alarm, or its end (it left, or moved on to other neighbours)."""
@@ -374,7 +434,8 @@ class Presence:
             self._close(sock)
 
     def _send(self) -> None:
-        """A beat to every watcher when one is due, and an alarm to every peer, both ways, when one is."""
+        """A beat to every watcher when one is due, and an alarm or a decision to every peer, both ways, when one
+        is."""
         now, out = time.monotonic(), []
         if now - self._beaten >= self.beat_s:
             self._beaten = now
@@ -382,8 +443,10 @@ class Presence:
         with self._lock:
             due, self._alarm_due = self._alarm_due, False
             alarm = ALARM + str(self._alarmed).encode() + b"\n"
+            decisions, self._announce_due = self._announce_due, []
         if due:
             out += [(sock, alarm) for sock in [*self._accepted, *self._watching.values()]]
+        out += [(sock, d) for d in decisions for sock in [*self._accepted, *self._watching.values()]]
         for sock, data in out:
             with contextlib.suppress(OSError):  # (a full buffer: the peer reads nothing, and its silence tells)
                 sock.send(data)
@@ -395,7 +458,7 @@ class Presence:
         if generation != self._reported_in:  # (a new generation: its list starts with the silences that go on)
             self._reported_in = generation
             for peer in sorted(self._silent):
-                self._report(f"{peer}+")
+                self._report(peer, True)
         for peer, sock in list(self._watching.items()):
             silent = now - self._heard.get(peer, now) >= self.silent_s
             if silent and peer not in self._silent:
@@ -403,18 +466,21 @@ class Presence:
                 if peer not in self._watching or now - self._heard.get(peer, now) < self.silent_s:
                     continue
                 self._silent.add(peer)
-                self._report(f"{peer}+")
+                self._report(peer, True)
             elif not silent and peer in self._silent:
                 self._silent.discard(peer)
-                self._report(f"{peer}-")
+                self._report(peer, False)
 
-    def _report(self, entry: str) -> None:
-        """This rank's word on a peer (``"<peer>+"`` silent, ``"<peer>-"`` heard again), on the generation's board
-        of silences: one entry per peer and watcher, which only that watcher writes (on etcd, a key no one else
-        touches: distributed/board.py)."""
-        peer, word = entry[:-1], entry[-1]
-        with contextlib.suppress(Exception):  # (the store gone: the others find the silence by the store's beats)
-            board.post(self.store, self.key(f"presence/silent/{self.generation()}"), f"{peer}.{self.rank}", word)
+    def _report(self, peer: int, silent: bool) -> None:
+        """This rank's word on ``peer``, on the generation's board of silences: ``"+<when it was last heard>"`` (the
+        wall clock's seconds) while it is ``silent``, ``"-"`` once heard again; one entry per peer and watcher, which
+        only that watcher writes (on etcd, a key no one else touches: distributed/board.py)."""
+        word = "-"
+        if silent:  # (by the wall clock, for the other nodes to read how long it has been silent, give or take skew)
+            quiet_s = time.monotonic() - self._heard.get(peer, time.monotonic() - self.silent_s)
+            word = f"+{time.time() - quiet_s:.2f}"
+        name, member = self.key(f"presence/silent/{self.generation()}"), f"{peer}.{self.rank}"
+        self._outbox.put(lambda: board.post(self.store, name, member, word))
 
 
 def ended(store: Any, key: Callable[[str], str]) -> set[int]:
@@ -427,5 +493,19 @@ def ended(store: Any, key: Callable[[str], str]) -> set[int]:
 
 def silent(store: Any, key: Callable[[str], str], generation: int) -> set[int]:
     """The ranks a watcher reports silent under ``generation`` and has not heard again since (read from ``store``)."""
-    posts = board.entries(store, key(f"presence/silent/{generation}"))
-    return {int(member.split(".")[0]) for member, word in posts.items() if word == "+"}
+    return set(silences(store, key, generation))
+
+
+def silences(store: Any, key: Callable[[str], str], generation: int) -> dict[int, float]:
+    """:func:`silent`'s ranks, each with the latest moment one of its watchers last heard it (wall clock seconds; 0
+    where a report does not say)."""
+    heard: dict[int, float] = {}
+    for member, word in board.entries(store, key(f"presence/silent/{generation}")).items():
+        if word.startswith("+"):
+            rank = int(member.split(".")[0])
+            try:
+                at = float(word[1:]) if len(word) > 1 else 0.0
+            except ValueError:
+                at = 0.0
+            heard[rank] = max(heard.get(rank, 0.0), at)
+    return heard

@@ -4,7 +4,8 @@ SIGTERM is what torchrun's agent, Slurm's preemption and ``kill`` send. Ranks re
 so possibly in different steps, and some may receive none (only one node's agent was told). A step is never
 abandoned half-way: the first rank to see the signal proposes a stop step a little ahead of its own through
 the c10d store (:meth:`Membership.propose`: first writer wins), and a background thread on every rank looks
-for that proposal every :data:`POLL_S` seconds, so a rank without a signal learns of it too. Every rank trains
+for that proposal every :data:`POLL_S` seconds (in a world of more than 17 ranks every ``N / 100`` s:
+``look_period``), so a rank without a signal learns of it too. Every rank trains
 up to the agreed step and stops there; the trainer then checkpoints (a collective, as at any checkpoint) and
 the workers exit 0, within the agent's grace period (torchrun's is 30 s before it sends SIGKILL).
 
@@ -18,7 +19,7 @@ import math
 import signal
 from typing import Any
 
-from distributed.membership import Membership, StoreLoop
+from distributed.membership import Membership, StoreLoop, look_period
 from engine.launchers import EARLY_SIGNALS
 
 POLL_S = 0.2
@@ -44,7 +45,7 @@ class StopRequest:
         worker started (``engine.launchers.catch_early_signals``) counts as received now."""
         self._previous = signal.signal(self.signum, self._on_signal)
         self.signalled = self.signalled or self.signum in EARLY_SIGNALS
-        self._watcher = self.membership.every(POLL_S, self._look, "relaxsync-stop").start()
+        self._watcher = self.membership.every(POLL_S, self._look, "relaxsync-stop", spread=True).start()
 
     def disarm(self) -> None:
         if self._watcher is not None:
@@ -67,7 +68,8 @@ class StopRequest:
         """At a step boundary, ``step`` steps completed, the last taking ``step_s`` seconds: whether to stop now."""
         if self.step is None:
             if self.signalled:
-                margin = 2 + math.ceil(2 * POLL_S / max(step_s, 1e-3))
+                poll_s = look_period(POLL_S, len(self.membership.ranks))
+                margin = 2 + math.ceil(2 * poll_s / max(step_s, 1e-3))
                 self.step = int(self.membership.propose("stop", step + margin))
             elif self._seen is not None:
                 self.step = self._seen

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import os
 import signal
 import subprocess
@@ -151,8 +152,11 @@ def test_a_peer_heard_while_this_thread_was_held_is_not_reported_silent(store):
     """Beats that came while the watcher's own thread could not run (its process stopped, its machine busy) wait in
     the socket: they are read before a silence is reported."""
     import socket
+    import threading
 
     presence = Presence(0, store.clone(), key, address="127.0.0.1", silent_s=0.5)
+    presence._writer = threading.Thread(target=presence._write, daemon=True)  # (its writes; not its own thread)
+    presence._writer.start()
     ours, theirs = socket.socketpair()
     try:
         ours.setblocking(False)
@@ -160,10 +164,14 @@ def test_a_peer_heard_while_this_thread_was_held_is_not_reported_silent(store):
         presence._heard[1] = time.monotonic() - 5  # (nothing read for 5 s...)
         theirs.send(b"...")  # (...but its beats are there)
         presence._check_silences()
+        time.sleep(0.3)
         assert silent(store, key, 0) == set() and 1 not in presence._silent
         presence._heard[1] = time.monotonic() - 5
         presence._check_silences()  # (now nothing waits: silent)
-        assert silent(store, key, 0) == {1}
+        deadline = time.monotonic() + 5
+        while silent(store, key, 0) != {1}:
+            assert time.monotonic() < deadline, "never reported"
+            time.sleep(0.02)
     finally:
         presence._watching.clear()
         ours.close()
@@ -197,6 +205,40 @@ def test_an_alarm_goes_round_the_ring_both_ways_once(store):
         ring[4].alarm(6)  # (an older generation than one passed on already: nothing)
         time.sleep(0.3)
         assert heard[0] == [7]
+    finally:
+        for presence in ring:
+            presence.stop(farewell=False)
+
+
+def test_a_decision_goes_round_the_ring_both_ways_once_and_arrives_whole(store):
+    """A decision announced by one rank reaches every other rank of the ring through its neighbours, each hearing it
+    once, byte for byte (a line longer than one read of a connection, split across reads), while the beats go on."""
+    heard: dict[int, list[tuple[int, bytes]]] = {r: [] for r in range(6)}
+    ring = [
+        Presence(
+            r, store.clone(), key, address="127.0.0.1", on_decision=lambda g, d, r=r: heard[r].append((g, d))
+        ).start()
+        for r in range(6)
+    ]
+    decision = json.dumps({"ranks": [9], "cause": "died", "pad": "x" * 6000}).encode()
+    try:
+        for r, presence in enumerate(ring):
+            presence.watch(ring_neighbours(r, list(range(6)), ["node"] * 6))
+        deadline = time.monotonic() + 10
+        while not all(len(p._watching) == 2 and len(p._accepted) == 2 for p in ring):
+            assert time.monotonic() < deadline, "the ring never connected"
+            time.sleep(0.02)
+        ring[1].announce(4, decision)
+        ring[1].announce(4, b"something else")  # (once per generation: the first one holds)
+        deadline = time.monotonic() + 5
+        while not all(heard[r] for r in (0, 2, 3, 4, 5)):
+            assert time.monotonic() < deadline, f"not everyone heard: {[r for r in heard if not heard[r]]}"
+            time.sleep(0.02)
+        time.sleep(0.3)
+        assert heard == {r: ([] if r == 1 else [(4, decision)]) for r in range(6)}
+        assert all(p.unheard_for() < 1.0 for p in ring)  # (the beats read as beats around it)
+        with pytest.raises(ValueError, match="one line"):
+            ring[0].announce(5, b"two\nlines")
     finally:
         for presence in ring:
             presence.stop(farewell=False)

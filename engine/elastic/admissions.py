@@ -27,7 +27,7 @@ from engine.elastic.records import (
     whole_nodes,
 )
 
-POLL_S = 0.2  # how often a member looks for tickets
+POLL_S = 0.2  # how often a member looks for tickets (beyond 17 ranks: distributed.membership.look_period)
 MARGIN = 3  # steps on that a member promises; it waits for the others' promises one step before its own
 ALIGN = 16  # steps further a promise may go to reach the sync algorithm's own agreement (local SGD's averaging)
 FORM_WAIT_S = 5.0  # how long the averaging of an admission step waits for the group formed ahead (InAveraging)
@@ -56,7 +56,7 @@ class Admissions:
         where = JoinFile.of(self.membership)
         if where is not None and self.membership.is_logging_rank:
             where.write(run_dir)
-        self._watcher = self.membership.every(POLL_S, self._look, "relaxsync-joins").start()
+        self._watcher = self.membership.every(POLL_S, self._look, "relaxsync-joins", spread=True).start()
 
     def stop(self) -> None:
         if self._watcher is not None:

@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import itertools
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from distributed.membership import Membership, StoreLoop
+from distributed.membership import LOOKS_S, SMALL_WORLD, Membership, StoreLoop, look_period
 from distributed.presence import Presence, ring_neighbours
 
 BEAT_S = 0.2  # heartbeat period
 SILENT_S = 2.0  # a rank that has not beaten for this long (10 beats) is gone
-WATCHED = 16  # peers whose beats one heartbeat tick reads, in turn (all of them every tick up to 17 ranks)
+WATCHED = SMALL_WORLD - 1  # peers whose beats one tick reads, in turn (all of them every tick up to 17 ranks)
 # A rank whose beats have not reached the store for this long may be on the side of a partition that the others are
 # about to give up (after SILENT_S): it stops where it is until the store answers again (engine/elastic/guard.py).
 FENCE_S = SILENT_S / 2
-STORE_BEATS_S = 100  # beyond WATCHED + 1 ranks: the beats a second the store is asked to take, from all ranks
+STORE_BEATS_S = LOOKS_S  # beyond WATCHED + 1 ranks: the beats a second the store is asked to take, from all ranks
 
 
 def store_period(ranks: int) -> float:
@@ -32,7 +33,7 @@ def store_period(ranks: int) -> float:
     :data:`STORE_BEATS_S` beats a second (every 10 s at 1024 ranks: an etcd cluster serves a few thousand writes a
     second, where 1024 ranks beating every 0.2 s would ask 5,000), their silences being reported by their
     watchers instead (``distributed/presence.py``)."""
-    return BEAT_S if ranks <= WATCHED + 1 else max(BEAT_S, ranks / STORE_BEATS_S)
+    return look_period(BEAT_S, ranks)  # (WATCHED + 1 = SMALL_WORLD, STORE_BEATS_S = LOOKS_S)
 
 
 class Heartbeat:
@@ -58,6 +59,8 @@ class Heartbeat:
         self._ring: set[int] = set()
         self.beaten_at: float | None = None  # when a beat last reached the store (time.monotonic)
         self.period_s = BEAT_S  # how often this rank beats in the store (store_period)
+        self._decisions: dict[int, bytes] = {}  # generation -> the decision a peer passed on (Presence.announce)
+        self._decided = threading.Condition()
 
     def key(self, rank: int) -> str:
         return self.membership.key(f"beat/{rank}")
@@ -72,8 +75,9 @@ class Heartbeat:
         try:
             generation = lambda: m.generation  # noqa: E731
             self.presence = Presence(
-                m.rank, m.store.clone(), m.key, None, generation, self._passed_on, self._neighbours
-            ).start()
+                m.rank, m.store.clone(), m.key, None, generation, self._passed_on, self._neighbours,
+                on_decision=self._heard,
+            ).start()  # fmt: skip
         except OSError as error:  # (no port to listen on: the peers still find this rank's end by its silence)
             print(f"relaxsync: rank {m.rank} cannot listen for its watchers ({error}); a loss of it is seen by its "
                   f"silence only", file=sys.stderr, flush=True)  # fmt: skip
@@ -122,6 +126,31 @@ class Heartbeat:
         """This rank saw a collective of ``generation`` fail: its peers hear of it through the presence."""
         if self.presence is not None:
             self.presence.alarm(generation)
+
+    def announce(self, generation: int, decision: bytes) -> None:
+        """Pass ``decision`` (what the survivors of ``generation``'s failure agreed, as the store holds it) round the
+        ring: the peers that have not read it in the store learn it from their neighbours."""
+        self._heard(generation, decision)
+        if self.presence is not None:
+            self.presence.announce(generation, decision)
+
+    def decision(self, generation: int, timeout_s: float) -> bytes | None:
+        """The decision on ``generation``'s failure that a peer passed on, waiting for it up to ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._decided:
+            while generation not in self._decisions and (left := deadline - time.monotonic()) > 0:
+                self._decided.wait(left)
+            return self._decisions.get(generation)
+
+    def _heard(self, generation: int, decision: bytes) -> None:
+        """A peer passed on a decision (on the presence's thread): kept for :meth:`decision`, and the alarm rung if it
+        is the current generation's (this rank may still be waiting on a collective that fails nowhere here)."""
+        with self._decided:
+            self._decisions[generation] = decision
+            for old in [g for g in self._decisions if g < generation - 2]:
+                del self._decisions[old]
+            self._decided.notify_all()
+        self._passed_on(generation)
 
     def _passed_on(self, generation: int) -> None:
         """A peer passed on an alarm of ``generation`` (on the presence's thread): ring it if it is the current one."""
