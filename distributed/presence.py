@@ -379,6 +379,9 @@ class Presence:
         return messages, False
 
     def _alarms(self, messages: list[bytes]) -> None:
+        """Alarms and decisions among ``messages``: each heard once, and passed on at once, from this thread (not at
+        its next wake-up: a decision crosses the ring in as many hops as there are ranks between its relays)."""
+        passing = False
         for message in messages:
             if message[:1] == ALARM and message[1:].isdigit():
                 generation = int(message[1:])
@@ -386,6 +389,7 @@ class Presence:
                     with contextlib.suppress(Exception):
                         self.on_alarm(generation)
                 self.alarm(generation)  # (passed on, once)
+                passing = True
             elif message[:1] == DECISION:
                 head, _, decision = message[1:].partition(b" ")
                 if not head.isdigit() or not decision:
@@ -395,6 +399,9 @@ class Presence:
                     with contextlib.suppress(Exception):
                         self.on_decision(generation, decision)
                 self.announce(generation, decision)  # (passed on, once)
+                passing = True
+        if passing:
+            self._send()
 
     def _read(self, peer: int, sock: socket.socket) -> None:
         """What came from a watched peer: beats, an alarm, its farewell, its end."""

@@ -179,6 +179,16 @@ def test_a_peer_heard_while_this_thread_was_held_is_not_reported_silent(store):
         presence.stop(farewell=False)
 
 
+def connect_ring(ring: list[Presence]) -> None:
+    """Each presence of ``ring`` (rank = its place) watches its two neighbours; returns once every one is connected."""
+    for r, presence in enumerate(ring):
+        presence.watch(ring_neighbours(r, list(range(len(ring))), ["node"] * len(ring)))
+    deadline = time.monotonic() + 10
+    while not all(len(p._watching) == 2 and len(p._accepted) == 2 for p in ring):
+        assert time.monotonic() < deadline, "the ring never connected"
+        time.sleep(0.02)
+
+
 def test_an_alarm_goes_round_the_ring_both_ways_once(store):
     """A rank that saw a collective fail passes an alarm to its peers; each passes it on once, on its watchers'
     connections and its own: every rank of the ring hears of it, the one that raised it does not hear it back."""
@@ -188,12 +198,7 @@ def test_an_alarm_goes_round_the_ring_both_ways_once(store):
         for r in range(5)
     ]
     try:
-        for r, presence in enumerate(ring):
-            presence.watch(ring_neighbours(r, list(range(5)), ["node"] * 5))
-        deadline = time.monotonic() + 10
-        while not all(len(p._watching) == 2 and len(p._accepted) == 2 for p in ring):
-            assert time.monotonic() < deadline, "the ring never connected"
-            time.sleep(0.02)
+        connect_ring(ring)
         ring[2].alarm(7)
         ring[2].alarm(7)  # (once)
         deadline = time.monotonic() + 5
@@ -222,12 +227,7 @@ def test_a_decision_goes_round_the_ring_both_ways_once_and_arrives_whole(store):
     ]
     decision = json.dumps({"ranks": [9], "cause": "died", "pad": "x" * 6000}).encode()
     try:
-        for r, presence in enumerate(ring):
-            presence.watch(ring_neighbours(r, list(range(6)), ["node"] * 6))
-        deadline = time.monotonic() + 10
-        while not all(len(p._watching) == 2 and len(p._accepted) == 2 for p in ring):
-            assert time.monotonic() < deadline, "the ring never connected"
-            time.sleep(0.02)
+        connect_ring(ring)
         ring[1].announce(4, decision)
         ring[1].announce(4, b"something else")  # (once per generation: the first one holds)
         deadline = time.monotonic() + 5
