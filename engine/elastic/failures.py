@@ -31,10 +31,9 @@ nothing (the watchers report silences: ``distributed/presence.py``). Up to 17 ra
 write where they were on boards (``distributed/board.py``: on etcd a key per post, which no other post upsets); only
 the first few to check in watch the others closely, the rest wait for the decision. Beyond, on torch's store, the
 same; on a replicated one (etcd), a thousand survivors asking at the same moment is more than it answers in time,
-so most ask it nothing
-(:meth:`Failures._agree_widely`): the first ranks of the ring decide from the watchers' reports, one rank in
-:data:`RELAY_EVERY` reads the decision and passes it round the ring, and the positions travel in one collective of
-the new group (docs/benchmarks/membership.md measures it at up to 1024 ranks).
+so most ask it nothing (:meth:`Failures._agree_widely`): the first ranks of the ring decide from the watchers'
+reports, one rank in :data:`RELAY_EVERY` reads the decision and passes it round the ring, and the positions travel
+in one collective of the new group (docs/benchmarks/membership.md measures it at up to 1024 ranks).
 
 A dead peer fails a collective at once only on the ranks that exchange with it; the others wait on survivors that
 gave that collective up. So a rank that checks in passes an alarm round the ring through its presence, and (up to
@@ -299,7 +298,7 @@ class Failures:
                 return json.loads(value)
             if decider:
                 closed, heard = ended(m.store, m.key), silences(m.store, m.key, generation)
-                quiet = {r for r, at in heard.items() if time.time() - at >= SILENT_S + CONFIRM_S}
+                quiet = {r for r, last in heard.items() if time.time() - last >= SILENT_S + CONFIRM_S}
                 gone = sorted((closed | quiet) & others)
                 now = time.monotonic()
                 first_gone = first_gone if first_gone is not None or not gone else now
