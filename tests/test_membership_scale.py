@@ -62,7 +62,7 @@ def test_in_a_large_world_on_etcd_only_the_deciders_and_the_relays_ask_the_store
     store; every other survivor hears it from a neighbour (presence) and asks the store nothing, and all still adopt
     one decision, which names the killed rank alone."""
     from distributed.etcd import LocalCluster
-    from engine.elastic.failures import roles
+    from engine.elastic.wide import roles
 
     n, killed = 40, [20]
     with LocalCluster(str(tmp_path / "etcd"), members=3, heartbeat_ms=100, election_ms=1000) as cluster:
@@ -75,7 +75,7 @@ def test_in_a_large_world_on_etcd_only_the_deciders_and_the_relays_ask_the_store
 
 def test_the_deciders_are_on_distinct_nodes_and_a_relay_is_a_few_hops_from_every_rank():
     from distributed.presence import ring_order
-    from engine.elastic.failures import DECIDERS, RELAY_EVERY, roles
+    from engine.elastic.wide import DECIDERS, RELAY_EVERY, roles
 
     ranks, nodes = list(range(128)), [f"node{r // 8}" for r in range(128)]  # 16 nodes of 8
     deciders, relays = roles(ranks, nodes)
@@ -91,8 +91,8 @@ def test_the_deciders_are_on_distinct_nodes_and_a_relay_is_a_few_hops_from_every
 def _gather(rank: int, init: str, out: str) -> None:
     import torch
 
-    from engine.elastic.failures import gather_positions
     from engine.elastic.positions import Phase, Position
+    from engine.elastic.wide import gather_positions
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=3)

@@ -11,7 +11,8 @@ loss and a join are both a change of the membership at a step boundary the ranks
 **A loss** (``heartbeat.py``, ``failures.py``, ``guard.py``). Every collective has a deadline and every rank beats
 in the store. When a collective fails, the survivors check in, agree who is silent, form a new group and redo the
 part in flight; a survivor left one collective behind is healed from the front (the lowest rank there sends it the
-trainer's state) and enters the loop again where the front is (``CatchUp``, ``positions.Entry``).
+trainer's state) and enters the loop again where the front is (``CatchUp``, ``positions.Entry``). Beyond 17 ranks on
+etcd nobody checks in: the ring's first ranks decide and the decision travels round the ring (``wide.py``).
 
 **A join** (``admissions.py``: the members; ``joiner.py``: the joiner; ``handover.py``: the state on its way;
 ``records.py``: every store key and record of the two parties). torchrun admits a node by re-rendezvous, which stops

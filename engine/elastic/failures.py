@@ -31,8 +31,8 @@ nothing (the watchers report silences: ``distributed/presence.py``). Up to 17 ra
 write where they were on boards (``distributed/board.py``: on etcd a key per post, which no other post upsets); only
 the first few to check in watch the others closely, the rest wait for the decision. Beyond, on torch's store, the
 same; on a replicated one (etcd), a thousand survivors asking at the same moment is more than it answers in time,
-so most ask it nothing (:meth:`Failures._agree_widely`): the first ranks of the ring decide from the watchers'
-reports, one rank in :data:`RELAY_EVERY` reads the decision and passes it round the ring, and the positions travel
+so most ask it nothing (``engine/elastic/wide.py``): the first ranks of the ring decide from the watchers'
+reports, one rank in eight reads the decision and passes it round the ring, and the positions travel
 in one collective of the new group (docs/benchmarks/membership.md measures it at up to 1024 ranks).
 
 A dead peer fails a collective at once only on the ranks that exchange with it; the others wait on survivors that
@@ -47,7 +47,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import random
 import re
 import time
 from collections.abc import Callable
@@ -55,32 +54,18 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from distributed import board
 from distributed.etcd import STORE_ENV
-from distributed.membership import Change, Membership, Wait, look_period
-from distributed.presence import ended, ring_order, silences
+from distributed.membership import Change, Membership
+from distributed.presence import ended
 from distributed.presence import silent as silent_ranks
 from distributed.transfer import recv_state, send_state
 from engine.elastic.heartbeat import BEAT_S, SILENT_S, WATCHED, Heartbeat
-from engine.elastic.positions import Phase, Position, left_behind
+from engine.elastic.positions import Position, left_behind
+from engine.elastic.wide import DECIDERS, WideAgreement, gather_positions, wide
 
-DECIDERS = 4  # the first survivors to check in (a large world: the first ranks of the ring), which decide
-# A large world (more than WATCHED + 1 ranks): one rank in RELAY_EVERY along the ring (and every decider) reads the
-# decision in the store, every RELAY_POLL_S, and passes it on round the ring; the others wait to hear it from a
-# neighbour, and ask the store themselves only when nothing came for HEARD_WITHIN_S.
-RELAY_EVERY = 8
-RELAY_POLL_S = 0.5  # (128 relays at 1024 ranks: 256 reads a second)
-DECIDER_POLL_S = BEAT_S  # (a decider reads three things: 4 deciders ask the store 60 times a second in all)
-# Nobody checks in there, so a rank that is alive but was held (a stalled machine) cannot say so: a rank reported
-# silent is given up only once nothing came from it for SILENT_S + CONFIRM_S (a rank seen to end, at once).
-CONFIRM_S = SILENT_S
-HEARD_WITHIN_S = 2 * SILENT_S
-# A large world's deciders decide this long after the first rank was reported gone, so that the ranks lost with it
-# (a node's other processes, seen by their own watchers a moment later) are removed with it, not one change later.
-GRACE_S = 0.5
 TIMED_OUT = re.compile(r"timed out", re.IGNORECASE)
 # What a survivor reads when the peer's process is gone (gloo; NCCL's ncclRemoteError): the loss is "died";
 # any other failure of a collective is counted "hung" unless another survivor saw one of these.
@@ -111,36 +96,6 @@ class Recovery:
         """The lowest rank at the front."""
         front = self.front
         return min(r for r, w in self.where.items() if Position.read(w) == front)
-
-
-def replicated(store: Any) -> bool:
-    """Whether ``store`` is a replicated one (``EtcdStore``), which serves a thousand or so requests a second where
-    torch's ``TCPStore``, one process holding everything in memory, serves tens of thousands and answers a wait
-    when the key is written, at no cost while it waits."""
-    return hasattr(store, "post")
-
-
-def roles(ranks: list[int], nodes: list[str]) -> tuple[list[int], list[int]]:
-    """In a large world's agreement (:meth:`Failures._agree_widely`), among the active ``ranks`` (``nodes``: rank
-    -> node): the deciders, the first :data:`DECIDERS` ranks of the presences' ring (the first rank of each of the
-    first nodes: a node lost takes one of them, not all), and the relays, one in :data:`RELAY_EVERY` along the ring
-    and the deciders (a decision read in the store is a few hops of the ring from every rank)."""
-    ring = ring_order(ranks, nodes)
-    deciders = sorted(ring[:DECIDERS])
-    return deciders, sorted(set(ring[::RELAY_EVERY]) | set(deciders))
-
-
-def gather_positions(group: Any, at: Position, wait: Wait) -> dict[int, list]:
-    """Collective over ``group`` (the survivors' new group): every member's ``[step, phase]``, this one's ``at``, by
-    its rank (waited for with ``wait``, which a loss elsewhere cuts short)."""
-    ranks = dist.get_process_group_ranks(group)
-    nccl = dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    phases = list(Phase)
-    mine = torch.tensor([at.step, phases.index(at.phase)], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in ranks]
-    wait([dist.all_gather(every, mine, group=group, async_op=True)])
-    return {r: [int(t[0]), phases[int(t[1])].value] for r, t in zip(ranks, every)}
 
 
 class StoreUnreachable(RuntimeError):
@@ -187,9 +142,14 @@ class Failures:
         self.heartbeat = Heartbeat(
             membership, lambda store, generation: board.count(store, self._key(generation, "in"))
         )
+        self.wide = WideAgreement(membership, self.heartbeat, hang_timeout_s, lambda g: self._name(g, "decision"))
+
+    @staticmethod
+    def _name(generation: int, name: str) -> str:
+        return f"failure{generation}/{name}"
 
     def _key(self, generation: int, name: str) -> str:
-        return self.membership.key(f"failure{generation}/{name}")
+        return self.membership.key(self._name(generation, name))
 
     def recover(self, error: BaseException, at: Position) -> Recovery:
         """Collective over the ranks still alive, after ``error`` (a part that failed, :func:`may_be_a_loss`) at
@@ -216,9 +176,9 @@ class Failures:
     def _recover(self, error: BaseException, at: Position) -> Recovery | None:
         m, generation = self.membership, self.membership.generation
         cause = "died" if DIED.search(str(error)) else "hung"
-        large = len(m.ranks) > WATCHED + 1 and replicated(m.store)
+        large = wide(len(m.ranks), m.store)
         if large:
-            agreed = self._agree_widely(generation, at, cause)
+            agreed = self.wide.agree(generation, at, cause)
         else:
             agreed = self.decided(generation)  # (decided without this rank: it was hung, or it is late)
         if agreed is None:
@@ -247,7 +207,7 @@ class Failures:
                 "time": time.time(),
                 "ahead": m.ready([r for r in m.ranks if r not in gone]),  # (the survivors' group is formed already)
             }
-            agreed = m.propose(f"failure{generation}/decision", proposal)
+            agreed = m.propose(self._name(generation, "decision"), proposal)
         if not agreed["ranks"]:
             return None
         what = f"as {agreed['cause']} at step {agreed['step']}"
@@ -272,75 +232,6 @@ class Failures:
             "redo": front[1],
         }
         return Recovery(change, event, where)
-
-    def _agree_widely(self, generation: int, at: Position, cause: str) -> dict[str, Any]:
-        """A large world's agreement on ``generation``'s failure, in which most survivors never ask the store: the
-        :func:`roles` of the ring decide from what the watchers report (a rank seen to end, or silent), without
-        waiting for everyone to check in, and the relays read the decision in the store and pass it round the ring,
-        from which the others hear it. Returns the decision (``"ranks": []`` when nobody was reported gone within
-        ``hang_timeout_s`` and a silence: the error was not a loss)."""
-        m, heartbeat = self.membership, self.heartbeat
-        heartbeat.alarm(generation)  # (every rank enters the agreement: a decider may be waiting on a collective)
-        deciders, relays = roles(m.ranks, m.nodes)
-        decider, relay = m.rank in deciders, m.rank in relays
-        decision, others = self._key(generation, "decision"), set(m.ranks) - {m.rank}
-        if not (decider or relay):
-            agreed = self._hear(generation, decision)
-            if agreed is not None:
-                return agreed
-            decider = True  # (nothing came, and this rank is among the first of the ring still there: it decides)
-        start, first_gone = time.monotonic(), None
-        give_up_s = self.hang_timeout_s + SILENT_S + self.heartbeat.period_s
-        while True:
-            if m.store.check([decision]):
-                value = m.store.get(decision)
-                heartbeat.announce(generation, value)
-                return json.loads(value)
-            if decider:
-                closed, heard = ended(m.store, m.key), silences(m.store, m.key, generation)
-                quiet = {r for r, last in heard.items() if time.time() - last >= SILENT_S + CONFIRM_S}
-                gone = sorted((closed | quiet) & others)
-                now = time.monotonic()
-                first_gone = first_gone if first_gone is not None or not gone else now
-                if (gone and now - first_gone >= GRACE_S) or now - start > give_up_s:
-                    proposal = {
-                        "ranks": gone,
-                        "cause": "died" if (gone and set(gone) <= closed) or cause == "died" else "hung",
-                        "noticed": "ended" if gone and set(gone) <= closed else "silence",
-                        "step": at.step,
-                        "time": time.time(),
-                        "ahead": m.ready([r for r in m.ranks if r not in gone]),
-                    }
-                    agreed = m.propose(f"failure{generation}/decision", proposal)
-                    heartbeat.announce(generation, json.dumps(agreed).encode())
-                    return agreed
-            heard = heartbeat.decision(generation, DECIDER_POLL_S if decider else RELAY_POLL_S)
-            if heard is not None:  # (from a neighbour: passed on already, as every decision heard is)
-                return json.loads(heard)
-
-    def _hear(self, generation: int, decision: str) -> dict[str, Any] | None:
-        """A large world's survivor that neither decides nor relays: the decision, as a neighbour passes it on. Should
-        none come within :data:`HEARD_WITHIN_S` (its relays lost too?), it reads the store itself, every
-        ``look_period`` of :data:`RELAY_POLL_S` (10 s at 1024 ranks) from a moment of its own, so that a thousand
-        ranks in this case do not ask at once; and should none be there either a silence later (the deciders lost as
-        well), returns None when this rank is among the first of the ring once the ranks reported gone are left out:
-        it decides then."""
-        m, heartbeat = self.membership, self.heartbeat
-        period_s = look_period(RELAY_POLL_S, len(m.ranks))
-        start, wait_s = time.monotonic(), HEARD_WITHIN_S + random.uniform(0, period_s)
-        while True:
-            heard = heartbeat.decision(generation, wait_s)
-            if heard is not None:
-                return json.loads(heard)
-            if m.store.check([decision]):
-                value = m.store.get(decision)
-                heartbeat.announce(generation, value)
-                return json.loads(value)
-            if time.monotonic() - start > HEARD_WITHIN_S + SILENT_S + period_s:
-                gone = ended(m.store, m.key) | silent_ranks(m.store, m.key, generation)
-                if m.rank in roles([r for r in m.ranks if r not in gone], m.nodes)[0]:
-                    return None
-            wait_s = period_s
 
     def heal(self, recovery: Recovery, snapshot: Callable[[Position], Any]) -> Any:
         """Collective over the survivors of ``recovery``: its source sends each rank left behind
