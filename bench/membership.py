@@ -48,6 +48,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -55,9 +56,9 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -227,13 +228,16 @@ class Shard:
             behind_it = rank == behind  # (a collective short of the others)
             return Position(POSITION_STEP - 1, Phase.EXCHANGE) if behind_it else Position(POSITION_STEP, Phase.STEP)
 
+        front_wire, behind_wire = position(-1).wire(), position(behind).wire()
+
         def placeholder_group(ranks: list[int], timeout: Any = None, wait: Any = None) -> object:
             self.formed += 1
             return PlaceholderGroup(ranks)
 
         def gathered_positions(group: Any, at: Any, wait: Any) -> dict[int, list]:
             # (the collective over the placeholder: each member's position, as every simulated rank holds it)
-            return {r: position(r).wire() for r in group.ranks}
+            # (two wire forms made once: what a real gather's tensors become, at the cost of a dict of them)
+            return {r: (behind_wire if r == behind else front_wire) for r in group.ranks}
 
         membership_module.form_group = placeholder_group
         self._gather = getattr(failures_module, "gather_positions", None)  # (a revision before it: none)
@@ -282,7 +286,10 @@ class Shard:
             try:
                 rec = self.failures[rank].recover(RuntimeError("Connection closed by peer [127.0.0.1]:29500"), at)
                 out.update(recovered=time.monotonic(), cpu_s=time.thread_time() - cpu)
-                agreed = {"change": asdict(rec.change), "event": rec.event, "behind": rec.behind}
+                # (the survivors' list by its digest: copying a thousand ranks' list per rank would cost the
+                # simulation more than the agreement does)
+                change = {**vars(rec.change), "ranks": zlib.crc32(json.dumps(rec.change.ranks).encode())}
+                agreed = {"change": change, "event": rec.event, "behind": rec.behind}
                 out["agreed"] = json.dumps(agreed, sort_keys=True)
             except LeftRun as left:
                 out["error"] = f"left: {left}"
@@ -313,6 +320,7 @@ class Shard:
             "beat_keys": sum(k for _, k in beats),
             "ticks": sum(c.get("set", 0) + c.get("add", 0) for c, _ in beats),  # a write of its own counter a tick
             "cpu_s": time.process_time(),
+            "cpu_by_thread": cpu_by_thread(),
         }
 
     def kill(self, killed: list[int]) -> None:
@@ -349,6 +357,22 @@ class Shard:
         if self._gather is not None:
             self._failures_module.gather_positions = self._gather
         threading.stack_size(self._stack or 0)
+
+
+def cpu_by_thread() -> dict[str, float]:
+    """CPU seconds so far of this process's threads still running, summed by what they do (a thread's name, its
+    numbers left out), from /proc: where the simulation's cores go. (A rank's training loop has ended by the time
+    the failure's totals are taken: its own CPU is ``survivor_cpu_s``.)"""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick, cpu = os.sysconf("SC_CLK_TCK"), {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError, ValueError):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            name = names.get(int(tid), "other")
+            kind = re.sub(r"[-_ ]?\d+", "", name) or "other"
+            cpu[kind] = cpu.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return cpu
 
 
 def _shard_main(conn: Any, failures_path: str | None, switch_s: float, *args: Any) -> None:
@@ -449,7 +473,11 @@ def simulate(
                 calls[method] = calls.get(method, 0) + v
         summed = ("keys", "agreement_calls", "agreement_keys", "beat_calls", "beat_keys", "ticks", "cpu_s")
         total = {k: sum(p[k] for p in parts) for k in summed}
-        return {**total, "calls": calls, "time": time.monotonic(), "server_cpu_s": server}
+        by_thread: dict[str, float] = {}
+        for part in parts:
+            for kind, v in part.get("cpu_by_thread", {}).items():
+                by_thread[kind] = by_thread.get(kind, 0.0) + v
+        return {**total, "calls": calls, "time": time.monotonic(), "server_cpu_s": server, "by_thread": by_thread}
 
     report("connected", {"setup_s": time.monotonic() - started})
     time.sleep(warmup_s)
@@ -501,6 +529,10 @@ def simulate(
         # cores busy from the end of the window to the last survivor's recovery: simulating it, serving it
         "recovery_simulation_cpu": (end["cpu_s"] - last["cpu_s"]) / (end["time"] - last["time"]),
         "recovery_server_cpu": (end["server_cpu_s"] - last["server_cpu_s"]) / (end["time"] - last["time"]),
+        # ... and the simulation's CPU seconds in it by kind of thread (a rank's training loop, its presence...)
+        "recovery_cpu_s_by_thread": {
+            kind: round(v - last["by_thread"].get(kind, 0.0), 2) for kind, v in sorted(end["by_thread"].items())
+        },
     }
     failure["recovery_calls_per_survivor"] = failure["agreement_calls"] / max(len(survivors), 1)
     return {**result, "failure": failure}
@@ -528,7 +560,12 @@ def summary(values: Any) -> dict[str, float] | None:
     values = sorted(values)
     if not values:
         return None
-    return {"median": statistics.median(values), "max": values[-1], "min": values[0]}
+    return {
+        "median": statistics.median(values),
+        "p90": values[int(0.9 * (len(values) - 1))],
+        "max": values[-1],
+        "min": values[0],
+    }
 
 
 # ---- one size in processes of its own ------------------------------------------------------------------------------

@@ -50,8 +50,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -79,23 +78,16 @@ class Recovery:
     change: Change  # the ranks removed and the survivors' new group
     event: dict[str, Any]  # the ``rank_lost`` event, the same on every survivor
     where: dict[int, list]  # each survivor's ``[step, phase]`` when its collective failed (read alike by all)
+    # Worked out from ``where`` once, when made (a thousand survivors' positions are not read again at every use):
+    front: Position = field(init=False)  # the furthest position, where the survivors go on from
+    behind: list[int] = field(init=False)  # the survivors one collective short of the front: healed from the source
+    source: int = field(init=False)  # the lowest rank at the front
 
-    # (each reads every survivor's position once: at a thousand ranks, not for every use)
-    @cached_property
-    def front(self) -> Position:
-        """The furthest position, where the survivors go on from."""
-        return Position.read(left_behind(self.where)[0])
-
-    @cached_property
-    def behind(self) -> list[int]:
-        """The survivors one collective short of the front: healed from :attr:`source`."""
-        return left_behind(self.where)[1]
-
-    @cached_property
-    def source(self) -> int:
-        """The lowest rank at the front."""
-        front = self.front
-        return min(r for r, w in self.where.items() if Position.read(w) == front)
+    def __post_init__(self) -> None:
+        front, behind = left_behind(self.where)
+        object.__setattr__(self, "front", Position.read(front))
+        object.__setattr__(self, "behind", behind)
+        object.__setattr__(self, "source", min(set(self.where) - set(behind)))
 
 
 class StoreUnreachable(RuntimeError):

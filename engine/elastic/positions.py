@@ -51,9 +51,10 @@ class Position:
 
 
 def left_behind(where: dict[int, Sequence]) -> tuple[Sequence, list[int]]:
-    """The furthest ``[step, phase]`` of the survivors (the front), and the ranks that were not there."""
-    front = max(where.values(), key=lambda w: Position.read(w).key)
-    return front, sorted(r for r, w in where.items() if list(w) != list(front))
+    """The furthest ``[step, phase]`` of the survivors (the front), and the ranks that were not there. (A thousand
+    survivors stand at one or two places: each distinct one is read once.)"""
+    front = max({tuple(w) for w in where.values()}, key=lambda w: Position.read(w).key)
+    return list(front), sorted(r for r, w in where.items() if tuple(w) != front)
 
 
 class Site(Enum):
