@@ -184,17 +184,15 @@ class Failures:
                 return None
             agreed = self.decided(generation)
         if agreed is None:
-            # What the first survivor to check in saw (check-ins are kept in order): its collective failed on its
-            # own. Those after it may have been woken by it, and a wait woken by cutting the group's connections
-            # reads as a closed connection although the peer only hung; a survivor waiting on another survivor
-            # times out although the peer died, which the first one, beside the dead peer, saw close.
-            seen = [c for r, c in self._checked_in(generation).items() if r not in gone]
+            # A rank died where its watchers saw its process end (``ended``), at once; one only silent may have hung
+            # (a stopped process keeps its connections open). What the survivors' own collectives raised does not
+            # tell: a wait cut short by another survivor reads as a closed connection although the peer only hung.
             closed = ended(m.store, m.key)
+            died = bool(gone) and set(gone) <= closed
             proposal = {
                 "ranks": gone,
-                "cause": "died" if seen[:1] == ["died"] or (gone and set(gone) <= closed) else "hung",
-                # how the survivors knew: every removed rank's process was seen to end, or some fell silent
-                "noticed": "ended" if gone and set(gone) <= closed else "silence",
+                "cause": "died" if died else "hung",
+                "noticed": "ended" if died else "silence",  # how the survivors knew
                 "step": at.step,
                 "time": time.time(),
                 "ahead": m.ready([r for r in m.ranks if r not in gone]),  # (the survivors' group is formed already)

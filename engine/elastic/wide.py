@@ -106,10 +106,11 @@ class WideAgreement:
                 now = time.monotonic()
                 first_gone = first_gone if first_gone is not None or not gone else now
                 if (gone and now - first_gone >= GRACE_S) or now - start > give_up_s:
+                    died = bool(gone) and set(gone) <= closed  # (seen to end; else silent: Failures._recover)
                     proposal = {
                         "ranks": gone,
-                        "cause": "died" if (gone and set(gone) <= closed) or cause == "died" else "hung",
-                        "noticed": "ended" if gone and set(gone) <= closed else "silence",
+                        "cause": "died" if died else "hung",
+                        "noticed": "ended" if died else "silence",
                         "step": at.step,
                         "time": time.time(),
                         "ahead": m.ready([r for r in m.ranks if r not in gone]),
