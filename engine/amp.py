@@ -190,7 +190,7 @@ def _exchange(sync: dict[str, Any]) -> tuple[type | None, str]:
 
     try:
         algorithm = get_class(sync["_target_"])
-        if issubclass(algorithm, Wrapper):
+        if issubclass(algorithm, Wrapper) and "inner" in sync:  # (sync=auto has candidates: itself, then)
             inner = get_class(sync["inner"]["_target_"])
             return inner, f"sync={algorithm.name} with sync.inner={inner.name}"
     except Exception:

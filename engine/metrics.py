@@ -255,7 +255,12 @@ class Recorder:
         the end of the logger's run; returns the summary (None on the other ranks)."""
         if not self.membership.is_logging_rank:
             return None
-        summary = run_summary(run, self.membership, totals, self.steps, lost_ranks, **fields)
+        syncs = [  # (sync=auto: what it chose, when and why)
+            {"at_steps": e["at_steps"], "option": e["option"], "previous": e["previous"], "why": e["why"]}
+            for e in self.events
+            if e.get("event") == "sync_chosen"
+        ]
+        summary = run_summary(run, self.membership, totals, self.steps, lost_ranks, syncs=syncs, **fields)
         self.finish(summary, run.step)
         self.console(format_summary(summary, self.cfg["trainer"], self.run_dir))
         return summary

@@ -57,10 +57,14 @@ class NodeScope(Wrapper):
         # (no guests: a process that joins takes its model by transfer)
         node_ctx = SyncContext(self.comm, self.view, ctx.device, ctx.replicas_agree)  # type: ignore[arg-type]
         self.inner.setup(model, optimizer, node_ctx)
-        # (DDP, over the node's processes, averages the gradients in backward, and its comm hook across nodes)
-        self.in_backward = isinstance(self.inner.module, DistributedDataParallel)
         self._own: dict[str, Any] | None = None  # this process's own state as loaded, until the node agrees on one
         self._settled = False
+
+    @property
+    def in_backward(self) -> bool:
+        """DDP, over the node's processes, averages the gradients in backward, and its comm hook across nodes
+        (asked at each step: an option that changes its module, ``sync=auto``, may start or stop using DDP)."""
+        return isinstance(self.inner.module, DistributedDataParallel)
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         self._own = state  # (taken at the first hook: _settle)
@@ -147,6 +151,14 @@ def validate_scope(section: dict[str, Any]) -> None:
         raise ConfigError("sync.scope", scope, " | ".join(SCOPES))
     if scope == "node" and section.get("measure") == "link":
         raise ConfigError("sync.scope", scope, "process or auto under sync.measure=link (it probes processes' links)")
+    if scope == "node" and _probes_processes(section):
+        raise ConfigError("sync.scope", scope, "process or auto under sync=auto (it probes processes' links)")
+
+
+def _probes_processes(section: dict[str, Any]) -> bool:
+    """Whether the option ``section`` times the links between processes (relaxed sync's link measure, sync=auto's
+    probe): it runs at process scope."""
+    return section.get("measure") == "link" or str(section.get("_target_", "")).endswith(".AutoSync")
 
 
 def build_sync(section: dict[str, Any], membership: Membership) -> SyncAlgorithm:
@@ -155,7 +167,7 @@ def build_sync(section: dict[str, Any], membership: Membership) -> SyncAlgorithm
 
     section = dict(section)
     scope = section.pop("scope", "auto")
-    if scope == "auto" and section.get("measure") == "link":
+    if scope == "auto" and _probes_processes(section):
         scope = "process"
     algorithm = instantiate(section)
     return NodeScope(algorithm) if resolve_scope(scope, membership) == "node" else algorithm

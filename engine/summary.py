@@ -36,7 +36,7 @@ class StepStats:
 def run_summary(run: Any, membership: Any, totals: Any, steps: StepStats, lost_ranks: list[int], **fields: Any):
     """The summary record of an invocation at ``run`` (an ``engine.state.RunState``) whose active ranks are
     ``membership``'s, with ``totals`` of traffic, this invocation's ``steps`` and the ``lost_ranks``; ``fields``:
-    finished, replica_spread, stopped_by, train_s, num_params, reached_target."""
+    finished, replica_spread, stopped_by, train_s, num_params, reached_target, and syncs (sync=auto's decisions)."""
     m, last, best = membership, run.last_eval or {}, run.best_eval or {}
     gone = set(range(m.initial_size)) - set(m.ranks)
     return {
@@ -66,6 +66,7 @@ def run_summary(run: Any, membership: Any, totals: Any, steps: StepStats, lost_r
         "best_top1": best.get("top1"),
         "best_epoch": best.get("epoch"),
         "reached_target": fields["reached_target"],
+        "syncs": fields.get("syncs", []),
     }
 
 
@@ -95,6 +96,10 @@ def format_summary(summary: dict[str, Any], trainer: dict[str, Any], run_dir: st
         lines.append(
             f"  traffic   {_bytes(s['bytes_per_step'])} sent per rank and step, {_bytes(s['bytes_sent'])} in all"
         )
+    switches = [c for c in s.get("syncs", []) if c["option"] != c["previous"]]
+    if switches:
+        chosen = "; ".join(f"{c['option']} from step {c['at_steps']} ({c['why']})" for c in switches)
+        lines.append(f"  sync      auto: {chosen}")
     evicted = ", ".join(str(r) for r in s["evicted_ranks"]) or "none"
     lost = f"; lost: {', '.join(str(r) for r in s['lost_ranks'])}" if s.get("lost_ranks") else ""
     lines.append(f"  ranks     {s['world_size']} of {s['initial_world_size']} at the end; evicted: {evicted}{lost}")

@@ -89,6 +89,7 @@ OPTIONS = {
     "relaxed": Option(["sync=relaxed"], True),
     "relaxed-dgc": Option(["sync=relaxed", "sync@sync.inner=dgc", *DGC_INNER], True),
     "relaxed-localsgd": Option(["sync=relaxed", "sync@sync.inner=localsgd", "sync.inner.k_steps=4"], True),
+    "auto": Option(["sync=auto", "sync.probe_steps=2"], True),
 }
 
 SECOND = ("recovery", "loader rebuild")  # phases of a second loss, after a first one

@@ -8,17 +8,12 @@ import json
 from pathlib import Path
 
 from conftest import CONF_DIR, plain_cfg
-from hydra.utils import get_class
-
-from algorithms.base import Wrapper
 
 OPTIONS = sorted(p.stem for p in (CONF_DIR / "sync").glob("*.yaml"))
 # (composed for the CPU: a GPU machine with fewer GPUs than trainer.nproc refuses the config)
-WRAPPERS = [
-    o
-    for o in OPTIONS
-    if issubclass(get_class(plain_cfg(f"sync={o}", "trainer.device=cpu")["sync"]["_target_"]), Wrapper)
-]
+SECTIONS = {o: plain_cfg(f"sync={o}", "trainer.device=cpu")["sync"] for o in OPTIONS}
+WRAPPERS = [o for o in OPTIONS if "inner" in SECTIONS[o]]  # (the options around another, sync.inner)
+CHOOSERS = [o for o in OPTIONS if "candidates" in SECTIONS[o]]  # (sync=auto: it runs the others, none runs it)
 # Options that make each algorithm's state matter within 2 x 3 steps (an averaging period that straddles the
 # checkpoint, more tensors compressed); a wrapped algorithm takes them under sync.inner.
 STATEFUL = {
@@ -31,6 +26,9 @@ STATEFUL = {
     "powersgd": ["start_powerSGD_iter=2"],  # compressing (with error feedback) before the checkpoint
     # No eviction (a negative threshold), so both runs keep their ranks; every check still agrees a verdict.
     "relaxed": ["relaxed_sync_threshold=-1", "check_every=1"],
+    # Its probe, then local SGD k=4 whatever it measured (the margin holds the start): the choice and the option's
+    # state both straddle the checkpoint.
+    "auto": ["probe_steps=2", "start=localsgd4", "margin=1000"],
 }
 # Modes beyond an option's defaults with state of their own (rounds in flight across steps, fragments, ...).
 VARIANTS = {
@@ -39,7 +37,9 @@ VARIANTS = {
     "diloco": [["inner_steps=4", "fragments=2", "delay=1", "quantize=int8"], ["quantize=fp16", "alpha=0.5"]],
 }
 ALONE = [(o, []) for o in OPTIONS] + [(o, v) for o, variants in VARIANTS.items() for v in variants]
-CASES = [(None, o, v) for o, v in ALONE] + [(w, o, v) for w in WRAPPERS for o, v in ALONE if o not in WRAPPERS]
+CASES = [(None, o, v) for o, v in ALONE] + [
+    (w, o, v) for w in WRAPPERS for o, v in ALONE if o not in WRAPPERS + CHOOSERS
+]
 
 
 def _id(case: tuple) -> str:

@@ -454,3 +454,40 @@ def joined_and_resumed(cfg: dict, run_dir: str) -> None:
         world(f"{name}/resumed", 3)
         _fit(Trainer({**case, "trainer": {**case["trainer"], "resume": "auto", "run_dir": resumed}}, resumed))
         all_three(f"{name}/resumed/done")
+
+
+@record
+def auto_switch_walk(cfg: dict, run_dir: str) -> None:
+    """sync=auto made to switch, once its probe has decided, to ``<run_dir>/walk.json``'s first candidate and then
+    every 2 steps to the next; after each switch, record whether every replica holds identical parameters."""
+    import json
+
+    import torch
+
+    from engine.loop import Trainer
+
+    trainer = Trainer(cfg, run_dir)
+    with open(f"{run_dir}/walk.json") as f:
+        walk = json.load(f)
+    auto, log = trainer.sync, []
+    after = auto.after_optimizer_step
+
+    def walk_on(result):
+        report = after(result)
+        steps, at = result.step + 1, len(log) + 1
+        since = steps - auto.probe_steps
+        if since == 0 and auto.key != walk[0]:
+            auto._switch(walk[0])
+        elif since > 0 and since % 2 == 0 and at < len(walk):
+            before = auto.key
+            auto._switch(walk[at])
+            everyone = _all_params(trainer)
+            identical = all(torch.equal(everyone[0], other) for other in everyone[1:])
+            log.append({"step": result.step, "from": before, "to": auto.key, "identical": identical})
+        return report
+
+    auto.after_optimizer_step = walk_on
+    _fit(trainer)
+    if trainer.rank == 0:
+        with open(f"{run_dir}/switches.json", "w") as f:
+            json.dump(log, f)

@@ -74,7 +74,9 @@ def test_resume_ends_where_an_uninterrupted_run_ends(contract_runs, case):
     _assert_same(*timeless, "eval", atol)  # every field but the wall clock and the evaluation's duration
     # Replicas that differ are evaluated as such, whether or not a wrapper sits around the exchange.
     sync = plain_cfg(*overrides(case))["sync"]
-    exchange = get_class(sync.get("inner", sync)["_target_"])
+    section = sync.get("inner", sync)
+    section = section["candidates"][section["start"]] if "candidates" in section else section  # (auto: its start)
+    exchange = get_class(section["_target_"])
     assert ("replica_top1" in final_eval) == exchange.evaluates_replicas
 
 

@@ -18,6 +18,7 @@ timings) is for a GPU smoke run.
 from __future__ import annotations
 
 import ast
+import inspect
 
 import pytest
 import timm
@@ -123,6 +124,8 @@ def _sync(cfg: dict, model, optimizer, monkeypatch):
     """``cfg["sync"]`` built and set up as the trainer does; DDP (real storage only) stood in by the bare model."""
     for cls in (AllReduce, *AllReduce.__subclasses__()):
         monkeypatch.setattr(cls, "_wrap", lambda self, model: model)
+    # (a link probe's seconds end with a device synchronize, which fake CUDA cannot: sync=auto's probe reads these)
+    monkeypatch.setattr(Communicator, "probe_links", lambda self, nbytes: 1e-3 + nbytes / 1e9)
     membership = Membership(0, 2)
     sync = build_sync(cfg["sync"], membership)  # (two processes, each a node of its own: process scope)
     sync.setup(model, optimizer, SyncContext(Communicator(membership), membership, CUDA))
@@ -174,8 +177,11 @@ def _assert_on_device(sync, when: str) -> None:
 
 # ---- every option, alone and wrapped ---------------------------------------------------------------------------
 OPTIONS = sorted(path.stem for path in (CONF_DIR / "sync").glob("*.yaml"))
-WRAPPERS = [
-    o for o in OPTIONS if issubclass(get_class(OmegaConf.load(CONF_DIR / "sync" / f"{o}.yaml")._target_), Wrapper)
+WRAPPERS = [  # (the options around another, sync.inner; sync=auto chooses its own)
+    o
+    for o in OPTIONS
+    if issubclass(get_class(OmegaConf.load(CONF_DIR / "sync" / f"{o}.yaml")._target_), Wrapper)
+    and "inner" in inspect.signature(get_class(OmegaConf.load(CONF_DIR / "sync" / f"{o}.yaml")._target_)).parameters
 ]
 # Options under which each algorithm's state matters within 3 + 1 steps: local SGD averages after the resume, DiLoCo
 # takes an outer step before and after it, relaxed sync checks at every step (evicting nobody).
@@ -185,6 +191,7 @@ STATEFUL = {
     "diloco": ["inner_steps=2"],
     "powersgd": ["start_powerSGD_iter=2"],
     "relaxed": ["relaxed_sync_threshold=-1", "check_every=1"],
+    "auto": ["probe_steps=2", "start=localsgd4", "margin=1000"],  # (its probe, then local SGD k=4, averaging after)
 }
 # Rounds in flight across steps (mixed in later, or by drain()), streaming fragments with int8 quantization, fp16.
 VARIANTS = {

@@ -1,0 +1,246 @@
+"""``sync=auto``: measure the cluster, train on with the option predicted to reach the target first, and decide
+again when the cluster changes.
+
+Its first ``probe_steps`` steps are local (each replica steps on its own: ``sync=none``) while it measures what the
+decision needs (:mod:`algorithms.auto.model`): each replica's forward + backward seconds per step, then, in one
+collective, every replica's link (an exchange of ``probe_bytes`` with every peer, the fastest kept) and the latency
+(the same with a few bytes). Every rank decides from the same gathered numbers, so all of them choose alike at the
+same step. Then a switch: the replicas are averaged (they agree), and the chosen option is set up on the model and
+optimizer as they are. It decides again, and switches if another option is predicted faster by ``margin``:
+
+- after a change of the ranks (a loss, a join, an eviction), at the end of the next step;
+- every ``check_every`` steps, when the measured seconds per step (the slowest rank's, over the steps since the last
+  decision) are ``drift`` times the predicted ones or more, or less than their ``1 / drift``.
+
+A switch drains the option running, averages the replicas (parameters and floating-point buffers), drops the
+option's own per-rank state (DGC residuals, DiLoCo's outer state; the optimizer's state is the trainer's and goes
+on) and sets up the next. Each decision is a ``sync_chosen`` event (the option, its settings, why, the measurements
+and every candidate's prediction) and a console line.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from algorithms.auto.model import Choice, Measured, decide, read_step_ratios
+from algorithms.base import StepResult, SyncAlgorithm, SyncContext, SyncReport, Wrapper
+from algorithms.none import NoSync
+from distributed.membership import Change
+from errors import ConfigError, is_int, is_number, require
+
+DATA = Path(__file__).resolve().parents[2] / "bench" / "results" / "tta.jsonl"
+LATENCY_BYTES = 8  # the exchange the latency is timed with
+
+
+def _plain(section: Any) -> dict[str, Any]:
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
+
+
+def build(section: dict[str, Any]) -> SyncAlgorithm:
+    """The option ``section`` configures (relaxed sync with its inner option)."""
+    from hydra.utils import instantiate
+
+    return instantiate(section)
+
+
+class AutoSync(Wrapper):
+    """``sync=auto`` (the module docstring). ``candidates``: key -> sync section (keys as bench/tta names them);
+    ``steps_data``: bench/tta's result file the steps ratios are read from (default: the project's)."""
+
+    name = "auto"
+
+    def __init__(
+        self,
+        candidates: dict[str, Any],
+        steps_data: str | None = None,
+        probe_steps: int = 3,
+        probe_bytes: int = 1 << 18,
+        margin: float = 1.1,
+        check_every: int = 50,
+        drift: float = 1.5,
+        start: str = "allreduce",
+    ):
+        super().__init__(NoSync())
+        self.candidates = {str(k): _plain(v) for k, v in candidates.items()}
+        self.ratios = read_step_ratios(steps_data or DATA)
+        self.probe_steps, self.probe_bytes, self.margin = probe_steps, probe_bytes, margin
+        self.check_every, self.drift, self.start = check_every, drift, start
+        self.key: str | None = None  # the candidate running (None while probing)
+        self.predicted_s: float | None = None  # its predicted seconds per step
+        self.decided_at = 0  # the step count of the last decision
+        self._due = False  # a change of the ranks: decide again at the end of the next step
+        self._compute: list[float] = []  # this rank's compute seconds per step since the last decision
+        self._since: float | None = None  # when the first step after the last decision ended (time.perf_counter)
+
+    @classmethod
+    def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
+        from hydra.utils import get_class
+
+        p = section["probe_steps"]
+        require(is_int(p) and p >= 1, "sync.probe_steps", p, "an integer number of steps >= 1")
+        b = section["probe_bytes"]
+        require(is_int(b) and b >= 1, "sync.probe_bytes", b, "an integer number of bytes >= 1")
+        c = section["check_every"]
+        require(is_int(c) and c >= 2, "sync.check_every", c, "an integer number of steps >= 2")
+        for key, low in (("margin", 1.0), ("drift", 1.0)):
+            v = section[key]
+            require(is_number(v) and v >= low and (key == "margin" or v > low), f"sync.{key}", v, f"a number > {low}")
+        data = section["steps_data"] or DATA
+        require(Path(data).is_file(), "sync.steps_data", section["steps_data"], "null or a bench/tta result file")
+        ratios = read_step_ratios(data)
+        candidates = section["candidates"]
+        usable = sorted(k for k in candidates if k in ratios)
+        require(bool(usable), "sync.candidates", sorted(candidates), f"options with a steps ratio in {data}")
+        require(section["start"] in usable, "sync.start", section["start"], f"one of the candidates: {usable}")
+        for key, candidate in candidates.items():
+            candidate = _plain(candidate)
+            target = get_class(candidate["_target_"])
+            require(not issubclass(target, AutoSync), f"sync.candidates.{key}", "auto", "an option, not auto itself")
+            try:
+                target.validate(candidate, cfg, world_size)
+            except ConfigError as error:
+                try:  # (one that needs more ranks than this run has is never chosen at this size: kept)
+                    target.validate(candidate, cfg, max(world_size, 1024))
+                except ConfigError:
+                    raise error.under(f"sync.candidates.{key}") from None
+
+    # ---- hooks -----------------------------------------------------------------------------------------------
+    def on_membership_change(self, change: Change) -> SyncReport:
+        self._due = True
+        return super().on_membership_change(change)
+
+    def after_optimizer_step(self, result: StepResult) -> SyncReport:
+        report = super().after_optimizer_step(result)
+        steps = result.step + 1
+        self._compute.append(result.compute_s)
+        if self._since is None:
+            self._since = time.perf_counter()
+        if self.key is None:
+            if len(self._compute) >= self.probe_steps:
+                report += self._decide(steps, "probe")
+        elif self._due:
+            report += self._decide(steps, "the ranks changed")
+        elif steps - self.decided_at >= self.check_every:
+            drifted = self._drift(steps)
+            if drifted:
+                report += self._decide(steps, drifted)
+            else:
+                self._restart(steps)
+        return report
+
+    # ---- deciding ------------------------------------------------------------------------------------------
+    def _drift(self, steps: int) -> str | None:
+        """Collective: why the measured step time says to decide again (None: it does not)."""
+        counted = steps - self.decided_at - 1  # (the window starts at the end of the first step after a decision)
+        own = (time.perf_counter() - self._since) / max(counted, 1) if self._since is not None else 0.0
+        mine = torch.tensor([own], dtype=torch.float64, device=self.ctx.comm.device)
+        slowest = max(t.item() for t in self.ctx.comm.all_gather(mine))
+        ratio = slowest / max(self.predicted_s or slowest, 1e-9)
+        if ratio >= self.drift or ratio <= 1 / self.drift:
+            return f"a step took {slowest:.3f} s, {ratio:.2f}x the {self.predicted_s:.3f} s predicted"
+        return None
+
+    def _measure(self) -> Measured:
+        """Collective: what the decision needs, alike on every rank."""
+        comm = self.ctx.comm
+        own = torch.tensor([statistics.median(self._compute) if self._compute else 0.0], dtype=torch.float64)
+        compute = [t.item() for t in comm.all_gather(own.to(comm.device))]
+        link = torch.tensor([comm.probe_links(self.probe_bytes)], dtype=torch.float64)
+        latency = torch.tensor([comm.probe_links(LATENCY_BYTES)], dtype=torch.float64)
+        links = [t.item() for t in comm.all_gather(link.to(comm.device))]
+        latencies = [t.item() for t in comm.all_gather(latency.to(comm.device))]
+        finite = [t for t in latencies if t != float("inf")]
+        shapes = tuple(tuple(p.shape) for p in self.model.parameters())
+        return Measured(shapes, tuple(compute), tuple(links), self.probe_bytes, statistics.median(finite or [0.0]))
+
+    def _decide(self, steps: int, why: str) -> SyncReport:
+        measured = self._measure()
+        choice = decide(self.candidates, self.ratios, measured, current=self.key or self.start, margin=self.margin)
+        before = self.key
+        if choice.key != before:
+            self._switch(choice.key)
+        self.predicted_s = choice.predicted(choice.key).step_s
+        self._restart(steps)
+        self._due = False
+        return SyncReport(events=[self._event(choice, measured, before, steps, why)])
+
+    def _restart(self, steps: int) -> None:
+        self.decided_at, self._compute, self._since = steps, [], None
+
+    def _context(self) -> SyncContext:
+        """The context an option is set up in after a switch or a resume: the replicas agree there."""
+        ctx = self.ctx
+        return SyncContext(ctx.comm, ctx.membership, ctx.device, True, ctx.guests)
+
+    def _switch(self, key: str) -> None:
+        """Settle (the option running drains, the replicas are averaged), then set up ``key``'s option."""
+        self.inner.drain()
+        comm = self.ctx.comm
+        tensors = [p.data for p in self.model.parameters()] + [
+            b.data for b in self.model.buffers() if b.is_floating_point()
+        ]
+        if comm.size > 1:
+            comm.all_reduce_coalesced(tensors, average=True)
+        self.inner = None  # (its hooks on the model, DDP's, go with it before the next one's)
+        chosen = build(self.candidates[key])
+        chosen.setup(self.model, self.optimizer, self._context())
+        self.inner, self.key = chosen, key
+
+    def _event(self, choice: Choice, measured: Measured, before: str | None, steps: int, why: str) -> dict[str, Any]:
+        chosen = choice.predicted(choice.key)
+        kept = "kept" if choice.key == before else f"switched from {before or 'the probe'}"
+        others = ", ".join(
+            f"{p.key} {p.score / chosen.score:.2f}x"
+            for p in sorted(choice.predictions, key=lambda p: p.score)
+            if p.key != choice.key
+        )
+        return {
+            "event": "sync_chosen",
+            "option": choice.key,
+            "previous": before,
+            "settings": self.candidates[choice.key],
+            "why": why,
+            "at_steps": steps,
+            "measured": measured.as_dict(),
+            "predicted": {
+                p.key: {"step_s": p.step_s, "steps_ratio": p.steps_ratio, "score": p.score, "replicas": p.replicas}
+                for p in choice.predictions
+            },
+            "message": (
+                f"relaxsync: sync=auto {kept} to {choice.key} after {steps} steps ({why}): predicted "
+                f"{chosen.step_s:.3f} s/step x {chosen.steps_ratio:.2f} of allreduce's steps; the others, in time "
+                f"to the target: {others or 'none'}"
+            ),
+        }
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "predicted_s": self.predicted_s,
+            "decided_at": self.decided_at,
+            "inner": self.inner.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["key"] != self.key:
+            self.inner = None
+            chosen = build(self.candidates[state["key"]]) if state["key"] is not None else NoSync()
+            chosen.setup(self.model, self.optimizer, self._context())
+            self.inner, self.key = chosen, state["key"]
+        self.predicted_s, self.decided_at = state["predicted_s"], state["decided_at"]
+        self.inner.load_state_dict(state["inner"])
+
+    def local_state_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "inner": self.inner.local_state_dict()}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("key") == self.key:  # (saved under another option: that option's own state is dropped)
+            self.inner.load_local_state_dict(state["inner"])

@@ -1,0 +1,79 @@
+"""sync=auto's model against bench/tta's recorded results: for each of bench/tta's clusters, the measurements its
+probe would take there, every candidate's predicted time to the target (relative to allreduce's) beside the time
+the runs took, and the choice. No run: it reads ``bench/results/tta.jsonl`` and prints a markdown table.
+
+    python -m bench.auto_model [--data bench/results/tta.jsonl]
+
+The clusters are bench/tta's (docs/benchmarks/tta.md): 4 nodes, 0.038 s of forward + backward per step (4 workers
+on 2 cores), links of 100 Mbit or 1 Gbit through TCP/IP and tbf (1.07x slower than their rate), and the uneven one:
+1 Gbit with the last node at 100 Mbit and rank 1 computing 3x slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from algorithms.auto import DATA
+from algorithms.auto.model import Measured, decide, read_step_ratios
+
+COMPUTE_S = 0.038
+WIRE = 1.07  # TCP/IP and tbf's overhead over the link's rate
+PROBE = 1 << 18
+LATENCY_S = 0.0005
+MBIT = 1e6 / 8 / WIRE  # bytes a second of a megabit link, as the runs saw it
+
+
+def clusters(shapes: tuple[tuple[int, ...], ...]) -> dict[str, Measured]:
+    def measured(compute: list[float], mbit: list[float]) -> Measured:
+        links = tuple(LATENCY_S + PROBE / (m * MBIT) for m in mbit)
+        return Measured(shapes, tuple(compute), links, PROBE, LATENCY_S)
+
+    return {
+        "fleet": measured([COMPUTE_S] * 4, [100] * 4),
+        "1gbit": measured([COMPUTE_S] * 4, [1000] * 4),
+        "uneven": measured([COMPUTE_S, 3 * COMPUTE_S, COMPUTE_S, COMPUTE_S], [1000] * 3 + [100]),
+    }
+
+
+def table(data: Path) -> str:
+    import timm
+
+    from bench.common import config
+
+    candidates = config(["sync=auto"])["sync"]["candidates"]
+    shapes = tuple(tuple(p.shape) for p in timm.create_model("test_resnet", num_classes=10).parameters())
+    ratios = read_step_ratios(data)
+    records = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+    lines = [
+        "| scenario | candidate | predicted s/step | steps ratio | predicted time vs allreduce "
+        "| recorded time vs allreduce |",
+        "|---|---|---|---|---|---|",
+    ]
+    chosen = []
+    for scenario, measured in clusters(shapes).items():
+        choice = decide(candidates, ratios, measured, current="allreduce")
+        seconds = {r["algorithm"]: r["seconds"] for r in records if r["scenario"] == scenario and r["reached"]}
+        allreduce = choice.predicted("allreduce").score
+        best = min(seconds, key=seconds.get)
+        chosen.append(f"- {scenario}: chooses **{choice.key}**; fastest recorded: {best}")
+        for p in sorted(choice.predictions, key=lambda p: p.score):
+            recorded = seconds.get(p.key)
+            shown = f"{recorded / seconds['allreduce']:.2f}x" if recorded else "–"
+            mark = " (chosen)" if p.key == choice.key else ""
+            lines.append(
+                f"| {scenario} | {p.key}{mark} | {p.step_s:.3f} | {p.steps_ratio:.2f} | {p.score / allreduce:.2f}x "
+                f"| {shown} |"
+            )
+    return "\n".join(lines + [""] + chosen)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, default=DATA, help="bench/tta's results (tta.jsonl)")
+    print(table(parser.parse_args().data))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""sync=auto: its model (the traffic of each option against what real runs counted, the steps ratios read from
+bench/tta's recorded results, the choice on measured clusters) and its switches in a real run."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from conftest import FAST, compose_cfg, records, train
+
+from algorithms.auto import DATA, AutoSync
+from algorithms.auto.model import Measured, decide, kept, read_step_ratios, step_ratios, traffic
+from errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = 1 << 20
+LATENCY_S = 0.0005
+
+
+def _candidates() -> dict[str, dict]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(compose_cfg("sync=auto").sync.candidates, resolve=True)
+
+
+def _tta_shapes() -> tuple[tuple[int, ...], ...]:
+    """The tensors of bench/tta's model (experiment=tta: timm's test_resnet, digits' 10 classes)."""
+    import timm
+
+    return tuple(tuple(p.shape) for p in timm.create_model("test_resnet", num_classes=10).parameters())
+
+
+def _records(scenario: str = "fleet") -> dict[str, dict]:
+    lines = (json.loads(line) for line in DATA.read_text().splitlines() if line.strip())
+    return {r["algorithm"]: r for r in lines if r["scenario"] == scenario}
+
+
+def _cluster(compute_s, bandwidth, shapes=None) -> Measured:
+    """Replicas computing ``compute_s`` seconds a step, behind links of ``bandwidth`` bytes/s (one or one each)."""
+    bandwidth = bandwidth if isinstance(bandwidth, (list, tuple)) else [bandwidth] * len(compute_s)
+    links = tuple(LATENCY_S + PROBE / b for b in bandwidth)
+    return Measured(shapes or _tta_shapes(), tuple(compute_s), links, PROBE, LATENCY_S)
+
+
+def test_traffic_is_what_the_runs_counted():
+    """Each candidate's bytes per step, from the model's tensors and the option's settings, against what bench/tta's
+    runs of that option counted (4 nodes): exact for allreduce, and for the periodic options over the averagings
+    the run completed (BN statistics, averaged with the parameters, add under 1 %)."""
+    shapes, runs, candidates = _tta_shapes(), _records(), _candidates()
+    allreduce = runs["allreduce"]
+    per_step = traffic(candidates["allreduce"], shapes).bytes_sent(4)
+    assert per_step * allreduce["trained_steps"] == pytest.approx(allreduce["mb_per_node"] * 1e6, rel=1e-4)
+    for key, period in (("localsgd4", 4), ("localsgd16", 16), ("diloco", 16)):
+        section, run = candidates[key], runs[key]
+        averagings = run["trained_steps"] // period
+        predicted = traffic(section, shapes).bytes_sent(4) * period * averagings
+        assert predicted == pytest.approx(run["mb_per_node"] * 1e6, rel=0.01), key
+    # streaming DiLoCo: int8 travels gathered, a quarter of fp32's bytes and the blocks' scales, over H steps
+    streaming = traffic(candidates["streaming"], shapes)
+    params = sum(math.prod(s) for s in shapes)
+    assert streaming.ring_bytes == 0 and streaming.overlapped
+    assert streaming.gather_bytes * 32 == params + 8 * math.ceil(params / 1024)
+
+
+def test_step_ratios_are_read_from_the_recorded_results(tmp_path):
+    records_ = [
+        {"scenario": "a", "algorithm": "allreduce", "reached": True, "steps": 64},
+        {"scenario": "a", "algorithm": "x", "reached": True, "steps": 96},
+        {"scenario": "b", "algorithm": "allreduce", "reached": True, "steps": 50},
+        {"scenario": "b", "algorithm": "x", "reached": True, "steps": 100},
+        {"scenario": "c", "algorithm": "x", "reached": True, "steps": 10},  # (no allreduce there: not counted)
+        {"scenario": "a", "algorithm": "never", "reached": False, "steps": None},
+    ]
+    assert step_ratios(records_) == {"allreduce": 1.0, "x": 1.75}
+    # The project's own: what bench/tta recorded, as docs/benchmarks/tta.md shows it.
+    ratios = read_step_ratios(DATA)
+    assert ratios["localsgd16"] == 60 / 64 and ratios["streaming"] == 68 / 64 and ratios["diloco"] == 110 / 64
+    # The choice follows the data: the same cluster, with streaming DiLoCo's steps tripled in a copy of the results.
+    slow_link = _cluster([0.038] * 4, 11.7e6)
+    assert decide(_candidates(), ratios, slow_link).key == "streaming"
+    copy = tmp_path / "tta.jsonl"
+    lines = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    for r in lines:
+        if r["algorithm"] == "streaming" and r["steps"]:
+            r["steps"] *= 3
+    copy.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert decide(_candidates(), read_step_ratios(copy), slow_link).key == "localsgd16"
+    auto = AutoSync(_candidates(), steps_data=str(copy))
+    assert auto.ratios["streaming"] == 3 * 68 / 64
+
+
+@pytest.mark.parametrize(
+    "compute_s, bandwidth, expected",
+    [
+        ([0.038] * 4, 11.7e6, "streaming"),  # bench/tta (a): 100 Mbit, communication 5x the compute
+        ([0.038] * 4, 117e6, "localsgd16"),  # (b): 1 Gbit, communication half the compute
+        ([0.038, 0.114, 0.038, 0.038], [117e6] * 3 + [11.7e6], "relaxed_streaming"),  # (c): uneven
+        ([0.2] * 4, 12.5e9, "allreduce"),  # 100 Gbit, a longer step: nothing beats allreduce by the margin
+        ([0.038], 11.7e6, "allreduce"),  # one replica: nothing to send
+    ],
+)
+def test_the_choice_on_measured_clusters(compute_s, bandwidth, expected):
+    choice = decide(_candidates(), read_step_ratios(DATA), _cluster(compute_s, bandwidth), current="allreduce")
+    assert choice.key == expected
+    best = min(choice.predictions, key=lambda p: p.score)
+    held = choice.predicted("allreduce")
+    assert choice.key == best.key or best.score * 1.1 > held.score  # (kept within the margin only)
+
+
+def test_relaxed_candidates_only_where_they_would_evict():
+    candidates, ratios = _candidates(), read_step_ratios(DATA)
+    even = _cluster([0.038] * 4, 117e6)
+    assert not any(p.key.startswith("relaxed") for p in decide(candidates, ratios, even).predictions)
+    slow_node = _cluster([0.038, 0.114, 0.038, 0.038], 117e6)
+    assert kept(candidates["relaxed_allreduce"], slow_node) == [0, 2, 3]
+    assert kept(candidates["relaxed_link_allreduce"], slow_node) == [0, 1, 2, 3]
+    slow_link = _cluster([0.038] * 4, [117e6] * 3 + [11.7e6])
+    assert kept(candidates["relaxed_link_allreduce"], slow_link) == [0, 1, 2]
+    assert kept(candidates["relaxed_allreduce"], slow_link) == [0, 1, 2, 3]
+
+
+def test_bad_auto_settings_are_named():
+    from engine.config import prepare
+
+    for override, key in (
+        ("sync.probe_steps=0", "sync.probe_steps"),
+        ("sync.margin=0.5", "sync.margin"),
+        ("sync.start=sgp", "sync.start"),
+        ("sync.steps_data=/nonexistent/tta.jsonl", "sync.steps_data"),
+        ("sync.candidates.localsgd4.k_steps=0", "sync.candidates.localsgd4.k_steps"),
+    ):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            prepare(compose_cfg("sync=auto", override))
+
+
+SWITCHED = ["allreduce", "localsgd4", "localsgd16", "diloco", "streaming", "relaxed_allreduce", "relaxed_streaming"]
+
+
+def euler_circuit(nodes: list[str]) -> list[str]:
+    """A walk through every ordered pair of ``nodes`` once (an Euler circuit of the complete digraph)."""
+    edges = {a: [b for b in nodes if b != a] for a in nodes}
+    stack, walk = [nodes[0]], []
+    while stack:
+        here = stack[-1]
+        if edges[here]:
+            stack.append(edges[here].pop())
+        else:
+            walk.append(stack.pop())
+    return walk[::-1]
+
+
+def test_every_switch_keeps_each_step_once_and_the_replicas_in_agreement(tmp_path):
+    """A real run of 2 processes whose sync=auto is made to switch through every ordered pair of its candidates,
+    two steps apart: after each switch the replicas hold identical parameters, every step is recorded once, and the
+    run ends with replicas that agree after the last evaluation's averaging."""
+    from _workers import auto_switch_walk
+
+    walk = euler_circuit(SWITCHED)
+    assert len(walk) == len(SWITCHED) * (len(SWITCHED) - 1) + 1
+    (tmp_path / "walk.json").write_text(json.dumps(walk))
+    probe, every = 3, 2
+    steps = probe + every * len(walk)
+    _, metrics = train(
+        tmp_path, *FAST, "sync=auto", f"sync.probe_steps={probe}", f"trainer.max_steps={steps}",
+        "sync.candidates.relaxed_allreduce.relaxed_sync_threshold=1000",
+        "sync.candidates.relaxed_streaming.relaxed_sync_threshold=1000",
+        entrypoint=auto_switch_walk,
+    )  # fmt: skip
+    log = json.loads((tmp_path / "switches.json").read_text())
+    assert [e["to"] for e in log] == walk[1:]
+    assert all(e["identical"] for e in log), [e for e in log if not e["identical"]]
+    trained = [r["step"] for r in records(metrics, "train")]
+    assert sorted(trained) == list(range(steps)) and len(set(trained)) == len(trained)
+    chosen = [r for r in records(metrics, "event") if r.get("event") == "sync_chosen"]
+    assert chosen and chosen[0]["why"] == "probe" and chosen[0]["at_steps"] == probe
