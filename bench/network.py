@@ -30,6 +30,7 @@ network_speedup.png and network_floor.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -38,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +76,7 @@ ALGORITHMS: dict[str, tuple[str, list[str]]] = {
         "crossover overlap",
         ["sync=crossover", "sync.overlap=true", "sync.consensus_every=1000000"],
     ),
+    "auto": ("auto", ["sync=auto"]),  # (it measures, chooses and switches: docs/algorithms.md)
 }
 DEFAULT_RATES = "unlimited,1gbit,100mbit"
 FLEET_1G = {"dense_s": 2.45, "dgc_s": 0.375}  # Paddle's FasterRCNN, 2 machines, seconds per step
@@ -122,10 +125,12 @@ def run_job(
     workdir: Path,
     timeout_s: float,
     procs: int = 1,
+    at_epoch: tuple[int, Callable[[], None]] | None = None,
 ) -> dict[str, Any]:
     """``train.py OVERRIDES`` as one job across all nodes of ``net`` (one torchrun per node, ``procs`` workers each,
     which reach each other over the node's loopback); returns its metrics and the bytes each node sent (the node
-    logs stay in the run dir)."""
+    logs stay in the run dir). ``at_epoch``: (epoch, what to do once the first record of that epoch is written),
+    e.g. reshape the links mid-run."""
     run_dir = workdir / job_id
     run_dir.mkdir(parents=True)
     train = [
@@ -133,7 +138,31 @@ def run_job(
         f"trainer.max_steps={steps}", f"trainer.run_dir={run_dir}", f"trainer.netdev={IFACE}", *overrides,
     ]  # fmt: skip
     commands = [[*torchrun(net, node, job_id, port, procs=procs), *train] for node in range(net.nodes)]
-    return run_nodes(net, run_dir, commands, [node_env()] * net.nodes, timeout_s)
+    if at_epoch is None:
+        return run_nodes(net, run_dir, commands, [node_env()] * net.nodes, timeout_s)
+    done = threading.Event()
+    watcher = threading.Thread(target=_when_epoch, args=(run_dir / "metrics.jsonl", *at_epoch, done), daemon=True)
+    watcher.start()
+    try:
+        return run_nodes(net, run_dir, commands, [node_env()] * net.nodes, timeout_s)
+    finally:
+        done.set()
+        watcher.join()
+
+
+def _when_epoch(path: Path, epoch: int, act: Callable[[], None], done: threading.Event) -> None:
+    """``act()`` once a train record of ``epoch`` or later is in ``path`` (looked at every 0.1 s until ``done``)."""
+    while not done.wait(0.1):
+        if not path.exists():
+            continue
+        with open(path) as f:
+            lines = f.read().splitlines()
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if record.get("kind") == "train" and record.get("epoch", 0) >= epoch:
+                    act()
+                    return
 
 
 def run_nodes(

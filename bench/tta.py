@@ -56,9 +56,25 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "rates": ["1gbit", "1gbit", "1gbit", "100mbit"],  # the last node's link (the others' for fewer nodes)
         "overrides": ["straggler=sleep", "straggler.ranks=[1]", "straggler.slowdown=3", "straggler.start_epoch=2"],
     },
+    # The cluster changes mid-run: what sync=auto decides again for.
+    "drop": {
+        "label": "(d) every link 1 Gbit, dropped to 100 Mbit at epoch 3",
+        "rates": ["1gbit"],
+        "then": {"epoch": 3, "rates": ["100mbit"]},  # (tc, as the first record of epoch 3 is written)
+    },
+    "slowed": {
+        "label": "(e) 1 Gbit, one node 3x slower from epoch 3",
+        "rates": ["1gbit"],
+        "overrides": ["straggler=sleep", "straggler.ranks=[1]", "straggler.slowdown=3", "straggler.start_epoch=3"],
+    },
 }
+UNEVEN = ("uneven", "slowed")  # the scenarios that also run the relaxed-sync cells
+# sync=auto reads the steps ratios from bench/tta's results: a copy of those there when the run starts (this run
+# rewrites the file as it goes).
+AUTO = "auto"
 DEFAULT_ALGORITHMS = (
-    "none,allreduce,powersgd,dgc,localsgd4,localsgd16,adaptive_localsgd,diloco,streaming,sgp_overlap,crossover_overlap"
+    "none,allreduce,powersgd,dgc,localsgd4,localsgd16,adaptive_localsgd,diloco,streaming,sgp_overlap,crossover_overlap,"
+    "auto"
 )
 SCOPES = ("node", "process")  # (--procs > 1: each cell at both)
 NODE_BATCH = 32  # experiment=tta's batch: one process per node
@@ -129,6 +145,7 @@ def time_to_target(metrics: list[dict[str, Any]], target: float) -> dict[str, An
         "samples_per_s": sum(r["samples_per_s"] * r["step_s"] for r in train) / trained_s,  # all samples / all time
         "evictions": summary.get("evictions", 0),
         "evicted_ranks": summary.get("evicted_ranks", []),
+        "syncs": summary.get("syncs", []),  # (sync=auto: what it chose, when and why)
         "curve": curve,
     }
 
@@ -149,7 +166,7 @@ def cells_of(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
     (scenario ``sweep``) last, on the 100 Mbit tier, for ``--sweep-epochs`` without a target."""
     out = []
     for scenario in args.scenarios:
-        keys = list(args.algorithms) + (list(args.relaxed) if scenario == "uneven" else [])
+        keys = list(args.algorithms) + (list(args.relaxed) if scenario in UNEVEN else [])
         for key in keys:
             name, overrides = (ALGORITHMS | RELAXED)[key]
             if key in WARMED_UP:  # (bench/network's DGC compresses from step 0)
@@ -157,6 +174,8 @@ def cells_of(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
             run = [f"trainer.epochs={args.epochs}", f"trainer.target_top1={args.target}"]
             if key in RELAXED:  # (the node is 3x slower: the default threshold, 3x the median, is a coin toss)
                 run.append(f"sync.relaxed_sync_threshold={RELAXED_THRESHOLD}")
+            if key == AUTO:
+                run.append(f"sync.steps_data={args.steps_data}")
             out.append((scenario, key, name, [*overrides, *SCENARIOS[scenario].get("overrides", []), *run]))
     fixed = [f"trainer.epochs={args.sweep_epochs}", "trainer.target_top1=null"]
     out += [("sweep", key, SWEEP[key][0], [*SWEEP[key][1], *fixed]) for key in args.sweep]
@@ -181,6 +200,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     jsonl = out / f"{args.name}.jsonl"
     jsonl.write_text("")
     workdir = Path(tempfile.mkdtemp(prefix="relaxsync-tta-"))
+    if args.steps_data is None:  # (sync=auto's data: the results as they were, before this run rewrites them)
+        args.steps_data = str(workdir / "steps-data.jsonl")
+        shutil.copyfile(RESULTS / "tta.jsonl", args.steps_data)
     rows = []
     common = [
         "experiment=tta", f"trainer.seed={args.seed}", f"trainer.eval_every_steps={args.eval_every}",
@@ -196,9 +218,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 row = {"scenario": scenario, "algorithm": key, "name": name, "nodes": args.nodes, "target": args.target,
                        "procs_per_node": args.procs, "scope": key.partition("@")[2] or "process"}  # fmt: skip
                 try:
+                    then = SCENARIOS[scenario].get("then")
+                    change = None
+                    if then is not None:
+                        change = (then["epoch"], lambda rates=then["rates"]: net.shape(rates * args.nodes))
+                        shaped = None  # (the next cell starts from the scenario's own rates again)
                     job = run_job(
                         net, [*common, *overrides], args.max_steps or 10**9, f"{scenario}-{key.replace('@', '-')}",
-                        args.port + i, workdir, args.cell_timeout, procs=args.procs,
+                        args.port + i, workdir, args.cell_timeout, procs=args.procs, at_epoch=change,
                     )  # fmt: skip
                     row.update(time_to_target(job["metrics"], args.target), wall_s=job["wall_s"])
                     world = next(r for r in job["metrics"] if r["kind"] == "event" and r["event"] == "world")
@@ -272,7 +299,25 @@ def verdict(cells: list[dict[str, Any]]) -> str:
         text += f"; never reached it: {', '.join(missed)}"
     if failed:
         text += f"; failed: {', '.join(failed)}"
-    return text
+    return text + auto_verdict(cells)
+
+
+def auto_verdict(cells: list[dict[str, Any]]) -> str:
+    """sync=auto's time against the best static option's in the same scenario, and what it chose when."""
+    auto = next((r for r in cells if r["algorithm"] == AUTO and r.get("reached")), None)
+    static = sorted((r for r in cells if r.get("reached") and r["algorithm"] != AUTO), key=lambda r: r["seconds"])
+    if auto is None or not static:
+        return ""
+    chose = "; ".join(
+        f"{c['option']} at step {c['at_steps']} ({c['why']})"
+        for c in auto.get("syncs", [])
+        if c["option"] != c["previous"]
+    )
+    best = static[0]
+    return (
+        f". auto: {auto['seconds'] / best['seconds']:.2f}x the best static option's time ({best['name']}), "
+        f"choosing {chose or 'nothing'}"
+    )
 
 
 def scope_table(rows: list[dict[str, Any]]) -> str:
@@ -364,7 +409,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated: {', '.join(SCENARIOS)}")
     parser.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help=f"comma-separated: {', '.join(ALGORITHMS)}")
-    parser.add_argument("--relaxed", default=",".join(RELAXED), help="the uneven scenario's relaxed-sync cells")
+    parser.add_argument("--relaxed", default=",".join(RELAXED), help="the uneven scenarios' relaxed-sync cells")
+    parser.add_argument(
+        "--steps-data", help="sync=auto's steps ratios: a tta.jsonl (default: a copy of bench/results/tta.jsonl)"
+    )
     parser.add_argument("--nodes", type=int, default=4, choices=(2, 3, 4))
     parser.add_argument("--target", type=float, default=95.0, help="validation top-1 (%%) to reach")
     parser.add_argument("--eval-every", type=int, default=2, help="steps between evaluations")

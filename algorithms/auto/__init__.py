@@ -2,7 +2,8 @@
 again when the cluster changes.
 
 Its first ``probe_steps`` steps are local (each replica steps on its own: ``sync=none``) while it measures what the
-decision needs (:mod:`algorithms.auto.model`): each replica's forward + backward seconds per step, then, in one
+decision needs (:mod:`algorithms.auto.model`): each replica's forward + backward seconds per step (the median,
+the first step after a decision left out: it sets things up), then, in one
 collective, every replica's link (an exchange of ``probe_bytes`` with every peer, the fastest kept) and the latency
 (the same with a few bytes). Every rank decides from the same gathered numbers, so all of them choose alike at the
 same step. Then a switch: the replicas are averaged (they agree), and the chosen option is set up on the model and
@@ -150,7 +151,8 @@ class AutoSync(Wrapper):
     def _measure(self) -> Measured:
         """Collective: what the decision needs, alike on every rank."""
         comm = self.ctx.comm
-        own = torch.tensor([statistics.median(self._compute) if self._compute else 0.0], dtype=torch.float64)
+        warm = self._compute[1:] or self._compute  # (the first step after a decision sets things up: left out)
+        own = torch.tensor([statistics.median(warm) if warm else 0.0], dtype=torch.float64)
         compute = [t.item() for t in comm.all_gather(own.to(comm.device))]
         link = torch.tensor([comm.probe_links(self.probe_bytes)], dtype=torch.float64)
         latency = torch.tensor([comm.probe_links(LATENCY_BYTES)], dtype=torch.float64)
@@ -195,7 +197,7 @@ class AutoSync(Wrapper):
 
     def _event(self, choice: Choice, measured: Measured, before: str | None, steps: int, why: str) -> dict[str, Any]:
         chosen = choice.predicted(choice.key)
-        kept = "kept" if choice.key == before else f"switched from {before or 'the probe'}"
+        did = f"keeps {before}" if choice.key == before else f"switches from {before or 'its probe'} to {choice.key}"
         others = ", ".join(
             f"{p.key} {p.score / chosen.score:.2f}x"
             for p in sorted(choice.predictions, key=lambda p: p.score)
@@ -214,7 +216,7 @@ class AutoSync(Wrapper):
                 for p in choice.predictions
             },
             "message": (
-                f"relaxsync: sync=auto {kept} to {choice.key} after {steps} steps ({why}): predicted "
+                f"relaxsync: sync=auto {did} after {steps} steps ({why}): predicted "
                 f"{chosen.step_s:.3f} s/step x {chosen.steps_ratio:.2f} of allreduce's steps; the others, in time "
                 f"to the target: {others or 'none'}"
             ),
