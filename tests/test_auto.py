@@ -119,6 +119,12 @@ def test_relaxed_candidates_only_where_they_would_evict():
     slow_link = _cluster([0.038] * 4, [117e6] * 3 + [11.7e6])
     assert kept(candidates["relaxed_link_allreduce"], slow_link) == [0, 1, 2]
     assert kept(candidates["relaxed_allreduce"], slow_link) == [0, 1, 2, 3]
+    # Once relaxed sync has evicted the slow node the cluster is even: the one running is kept, as its option alone
+    # would be (the same prediction), rather than dropped for it at the cost of a switch.
+    after = _cluster([0.038] * 3, 11.7e6)
+    choice = decide(candidates, ratios, after, current="relaxed_streaming")
+    assert choice.key == "relaxed_streaming"
+    assert choice.predicted("relaxed_streaming").score == choice.predicted("streaming").score
 
 
 def test_bad_auto_settings_are_named():

@@ -256,14 +256,14 @@ def decide(
 ) -> Choice:
     """The candidate (by key: ``candidates`` maps keys to ``sync`` sections) predicted to reach the target first,
     and every candidate's prediction. A candidate without a steps ratio in ``ratios`` is skipped; relaxed sync only
-    where it would evict. ``current`` (the option running) is kept unless another is predicted faster by
-    ``margin`` (so that measurement noise does not make the run switch back and forth)."""
+    where it would evict, or where it runs. ``current`` (the option running) is kept unless another is predicted
+    faster by ``margin`` (so that measurement noise does not make the run switch back and forth)."""
     predictions = []
     for key, section in candidates.items():
         if key not in ratios:
             continue
-        if _evicts(section) is not None and len(kept(section, measured)) == measured.replicas:
-            continue
+        if _evicts(section) is not None and len(kept(section, measured)) == measured.replicas and key != current:
+            continue  # (relaxed sync where it would evict nobody; the one running stays a candidate: it evicted)
         predictions.append(Prediction(key, step_seconds(section, measured), ratios[key], len(kept(section, measured))))
     if not predictions:
         raise ValueError(f"no candidate of {sorted(candidates)} has a steps ratio in the data ({sorted(ratios)})")
