@@ -10,8 +10,10 @@ same step. Then a switch: the replicas are averaged (they agree), and the chosen
 optimizer as they are. It decides again, and switches if another option is predicted faster by ``margin``:
 
 - after a change of the ranks (a loss, a join, an eviction), at the end of the next step;
-- every ``check_every`` steps, when the measured seconds per step (the slowest rank's, over the steps since the last
-  decision) are ``drift`` times the predicted ones or more, or less than their ``1 / drift``.
+- every ``check_every`` steps, when the measured seconds per step (the slowest rank's mean, from the start of a step
+  to the end of its exchange, over the steps since the last decision) are ``drift`` times the predicted ones or
+  more, or less than their ``1 / drift``;
+- after a join, or a resume at another size (the state it loads was decided for another number of replicas).
 
 A switch drains the option running, averages the replicas (parameters and floating-point buffers), drops the
 option's own per-rank state (DGC residuals, DiLoCo's outer state; the optimizer's state is the trainer's and goes
@@ -78,7 +80,9 @@ class AutoSync(Wrapper):
         self.decided_at = 0  # the step count of the last decision
         self._due = False  # a change of the ranks: decide again at the end of the next step
         self._compute: list[float] = []  # this rank's compute seconds per step since the last decision
-        self._since: float | None = None  # when the first step after the last decision ended (time.perf_counter)
+        self._steps: list[float] = []  # ... and its whole steps' seconds (before_step to the exchange's end)
+        self._started: float | None = None  # when this step started (time.perf_counter)
+        self.replicas = 0  # the replicas the last decision measured
 
     @classmethod
     def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
@@ -113,6 +117,10 @@ class AutoSync(Wrapper):
                     raise error.under(f"sync.candidates.{key}") from None
 
     # ---- hooks -----------------------------------------------------------------------------------------------
+    def before_step(self, step: int) -> SyncReport:
+        self._started = time.perf_counter()
+        return super().before_step(step)
+
     def on_membership_change(self, change: Change) -> SyncReport:
         self._due = True
         return super().on_membership_change(change)
@@ -121,15 +129,15 @@ class AutoSync(Wrapper):
         report = super().after_optimizer_step(result)
         steps = result.step + 1
         self._compute.append(result.compute_s)
-        if self._since is None:
-            self._since = time.perf_counter()
+        if self._started is not None:  # (evaluations and checkpoints between steps are not a step's time)
+            self._steps.append(time.perf_counter() - self._started)
         if self.key is None:
             if len(self._compute) >= self.probe_steps:
                 report += self._decide(steps, "probe")
         elif self._due:
             report += self._decide(steps, "the ranks changed")
         elif steps - self.decided_at >= self.check_every:
-            drifted = self._drift(steps)
+            drifted = self._drift()
             if drifted:
                 report += self._decide(steps, drifted)
             else:
@@ -137,10 +145,10 @@ class AutoSync(Wrapper):
         return report
 
     # ---- deciding ------------------------------------------------------------------------------------------
-    def _drift(self, steps: int) -> str | None:
+    def _drift(self) -> str | None:
         """Collective: why the measured step time says to decide again (None: it does not)."""
-        counted = steps - self.decided_at - 1  # (the window starts at the end of the first step after a decision)
-        own = (time.perf_counter() - self._since) / max(counted, 1) if self._since is not None else 0.0
+        window = self._steps[1:] or self._steps  # (the first step after a decision sets things up: left out)
+        own = sum(window) / len(window) if window else 0.0
         mine = torch.tensor([own], dtype=torch.float64, device=self.ctx.comm.device)
         slowest = max(t.item() for t in self.ctx.comm.all_gather(mine))
         ratio = slowest / max(self.predicted_s or slowest, 1e-9)
@@ -168,13 +176,13 @@ class AutoSync(Wrapper):
         before = self.key
         if choice.key != before:
             self._switch(choice.key)
-        self.predicted_s = choice.predicted(choice.key).step_s
+        self.predicted_s, self.replicas = choice.predicted(choice.key).step_s, measured.replicas
         self._restart(steps)
         self._due = False
         return SyncReport(events=[self._event(choice, measured, before, steps, why)])
 
     def _restart(self, steps: int) -> None:
-        self.decided_at, self._compute, self._since = steps, [], None
+        self.decided_at, self._compute, self._steps = steps, [], []
 
     def _context(self) -> SyncContext:
         """The context an option is set up in after a switch or a resume: the replicas agree there."""
@@ -228,6 +236,7 @@ class AutoSync(Wrapper):
             "key": self.key,
             "predicted_s": self.predicted_s,
             "decided_at": self.decided_at,
+            "replicas": self.replicas,
             "inner": self.inner.state_dict(),
         }
 
@@ -238,6 +247,9 @@ class AutoSync(Wrapper):
             chosen.setup(self.model, self.optimizer, self._context())
             self.inner, self.key = chosen, state["key"]
         self.predicted_s, self.decided_at = state["predicted_s"], state["decided_at"]
+        self.replicas = state.get("replicas", self.ctx.comm.size)
+        # (a world of another size, after a join or a resume at another size: decide again at the next step's end)
+        self._due = self.key is not None and self.replicas != self.ctx.comm.size
         self.inner.load_state_dict(state["inner"])
 
     def local_state_dict(self) -> dict[str, Any]:
