@@ -181,3 +181,34 @@ def test_every_switch_keeps_each_step_once_and_the_replicas_in_agreement(tmp_pat
     assert sorted(trained) == list(range(steps)) and len(set(trained)) == len(trained)
     chosen = [r for r in records(metrics, "event") if r.get("event") == "sync_chosen"]
     assert chosen and chosen[0]["why"] == "probe" and chosen[0]["at_steps"] == probe
+
+
+class _Gathers:
+    """What ``_drift`` asks of the communicator: an all-gather (here of the other rank's time too)."""
+
+    device = "cpu"
+
+    def __init__(self, others: list[float]):
+        self.others = others
+
+    def all_gather(self, tensor):
+        import torch
+
+        return [tensor] + [torch.tensor([t], dtype=torch.float64) for t in self.others]
+
+
+def test_a_step_time_that_drifts_from_the_prediction_decides_again():
+    """The drift check reads the slowest rank's mean step (the first after a decision left out) against the one
+    predicted: 1.5x or more, or under 1/1.5, says why; within, says nothing."""
+    from types import SimpleNamespace
+
+    auto = AutoSync(_candidates())
+    auto.key, auto.predicted_s = "localsgd16", 0.040
+    auto.ctx = SimpleNamespace(comm=_Gathers([0.041]))
+    auto._steps = [0.5, 0.040, 0.042]  # (the first, a setup, left out)
+    assert auto._drift() is None
+    auto.ctx = SimpleNamespace(comm=_Gathers([0.130]))  # another rank slowed 3x
+    assert "3.25x the 0.040 s predicted" in auto._drift()
+    auto.ctx = SimpleNamespace(comm=_Gathers([0.010]))
+    auto._steps = [0.5, 0.010, 0.010]  # faster than predicted by 4x (a straggler left)
+    assert "0.25x" in auto._drift()

@@ -66,7 +66,7 @@ class AutoSync(Wrapper):
         probe_steps: int = 3,
         probe_bytes: int = 1 << 18,
         margin: float = 1.1,
-        check_every: int = 50,
+        check_every: int = 10,
         drift: float = 1.5,
         start: str = "allreduce",
     ):
@@ -159,7 +159,9 @@ class AutoSync(Wrapper):
     def _measure(self) -> Measured:
         """Collective: what the decision needs, alike on every rank."""
         comm = self.ctx.comm
-        warm = self._compute[1:] or self._compute  # (the first step after a decision sets things up: left out)
+        # (the latest probe_steps: the first after a decision, which sets things up, left out; at a decision after a
+        # drift, the steps since the cluster changed)
+        warm = (self._compute[1:] or self._compute)[-self.probe_steps :]
         own = torch.tensor([statistics.median(warm) if warm else 0.0], dtype=torch.float64)
         compute = [t.item() for t in comm.all_gather(own.to(comm.device))]
         link = torch.tensor([comm.probe_links(self.probe_bytes)], dtype=torch.float64)
