@@ -459,7 +459,8 @@ def joined_and_resumed(cfg: dict, run_dir: str) -> None:
 @record
 def auto_switch_walk(cfg: dict, run_dir: str) -> None:
     """sync=auto made to switch, once its probe has decided, to ``<run_dir>/walk.json``'s first candidate and then
-    every 2 steps to the next; after each switch, record whether every replica holds identical parameters."""
+    every 2 steps to the next; after each switch, record whether every replica holds identical parameters, and
+    before it whether they still did after the option's 2 steps."""
     import json
 
     import torch
@@ -480,10 +481,12 @@ def auto_switch_walk(cfg: dict, run_dir: str) -> None:
             auto._switch(walk[0])
         elif since > 0 and since % 2 == 0 and at < len(walk):
             before = auto.key
+            everyone = _all_params(trainer)  # (2 steps of the option since the switch into it)
+            stayed = all(torch.equal(everyone[0], other) for other in everyone[1:])
             auto._switch(walk[at])
             everyone = _all_params(trainer)
             identical = all(torch.equal(everyone[0], other) for other in everyone[1:])
-            log.append({"step": result.step, "from": before, "to": auto.key, "identical": identical})
+            log.append({"step": result.step, "from": before, "to": auto.key, "identical": identical, "stayed": stayed})
         return report
 
     auto.after_optimizer_step = walk_on

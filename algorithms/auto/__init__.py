@@ -15,9 +15,9 @@ optimizer as they are. It decides again, and switches if another option is predi
   more, or less than their ``1 / drift``;
 - after a join, or a resume at another size (the state it loads was decided for another number of replicas).
 
-A switch drains the option running, averages the replicas (parameters and floating-point buffers), drops the
-option's own per-rank state (DGC residuals, DiLoCo's outer state; the optimizer's state is the trainer's and goes
-on) and sets up the next. Each decision is a ``sync_chosen`` event (the option, its settings, why, the measurements
+A switch drains the option running, averages the replicas (parameters, floating-point buffers and the optimizer's
+momenta, which local steps made differ), drops the option's own per-rank state (DGC residuals, DiLoCo's outer
+state) and sets up the next. Each decision is a ``sync_chosen`` event (the option, its settings, why, the measurements
 and every candidate's prediction) and a console line.
 """
 
@@ -44,6 +44,12 @@ def _plain(section: Any) -> dict[str, Any]:
     from omegaconf import DictConfig, OmegaConf
 
     return OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
+
+
+def id_of(model: Any) -> Any:
+    """A sort key that puts a model's parameters in the order of ``model.parameters()``: the same on every rank."""
+    order = {id(p): i for i, p in enumerate(model.parameters())}
+    return lambda p: order.get(id(p), len(order))
 
 
 def build(section: dict[str, Any]) -> SyncAlgorithm:
@@ -192,12 +198,22 @@ class AutoSync(Wrapper):
         return SyncContext(ctx.comm, ctx.membership, ctx.device, True, ctx.guests)
 
     def _switch(self, key: str) -> None:
-        """Settle (the option running drains, the replicas are averaged), then set up ``key``'s option."""
+        """Settle (the option running drains; the replicas are averaged: parameters, floating-point buffers and the
+        optimizer's floating-point state, which local steps made differ and which an option that keeps the replicas
+        identical by exchanging gradients, allreduce, would otherwise step apart), then set up ``key``'s option."""
         self.inner.drain()
         comm = self.ctx.comm
         tensors = [p.data for p in self.model.parameters()] + [
             b.data for b in self.model.buffers() if b.is_floating_point()
         ]
+        if self.optimizer is not None:  # (momenta; a step counter is the same on every rank already)
+            state = self.optimizer.state
+            tensors += [
+                t
+                for p in sorted(state, key=id_of(self.model))
+                for t in state[p].values()
+                if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 0
+            ]
         if comm.size > 1:
             comm.all_reduce_coalesced(tensors, average=True)
         self.inner = None  # (its hooks on the model, DDP's, go with it before the next one's)
