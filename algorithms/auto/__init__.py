@@ -157,7 +157,10 @@ class AutoSync(Wrapper):
         own = sum(window) / len(window) if window else 0.0
         mine = torch.tensor([own], dtype=torch.float64, device=self.ctx.comm.device)
         slowest = max(t.item() for t in self.ctx.comm.all_gather(mine))
-        ratio = slowest / max(self.predicted_s or slowest, 1e-9)
+        if self.predicted_s is None:  # (resumed: the step time measured now is the reference from here on)
+            self.predicted_s = slowest
+            return None
+        ratio = slowest / max(self.predicted_s, 1e-9)
         if ratio >= self.drift or ratio <= 1 / self.drift:
             return f"a step took {slowest:.3f} s, {ratio:.2f}x the {self.predicted_s:.3f} s predicted"
         return None
@@ -168,12 +171,12 @@ class AutoSync(Wrapper):
         # (the latest probe_steps: the first after a decision, which sets things up, left out; at a decision after a
         # drift, the steps since the cluster changed)
         warm = (self._compute[1:] or self._compute)[-self.probe_steps :]
-        own = torch.tensor([statistics.median(warm) if warm else 0.0], dtype=torch.float64)
-        compute = [t.item() for t in comm.all_gather(own.to(comm.device))]
-        link = torch.tensor([comm.probe_links(self.probe_bytes)], dtype=torch.float64)
-        latency = torch.tensor([comm.probe_links(LATENCY_BYTES)], dtype=torch.float64)
-        links = [t.item() for t in comm.all_gather(link.to(comm.device))]
-        latencies = [t.item() for t in comm.all_gather(latency.to(comm.device))]
+        own = torch.tensor([statistics.median(warm) if warm else 0.0], dtype=torch.float64, device=comm.device)
+        compute = [t.item() for t in comm.all_gather(own)]
+        link = torch.tensor([comm.probe_links(self.probe_bytes)], dtype=torch.float64, device=comm.device)
+        latency = torch.tensor([comm.probe_links(LATENCY_BYTES)], dtype=torch.float64, device=comm.device)
+        links = [t.item() for t in comm.all_gather(link)]
+        latencies = [t.item() for t in comm.all_gather(latency)]
         finite = [t for t in latencies if t != float("inf")]
         shapes = tuple(tuple(p.shape) for p in self.model.parameters())
         return Measured(shapes, tuple(compute), tuple(links), self.probe_bytes, statistics.median(finite or [0.0]))
@@ -252,7 +255,6 @@ class AutoSync(Wrapper):
     def state_dict(self) -> dict[str, Any]:
         return {
             "key": self.key,
-            "predicted_s": self.predicted_s,
             "decided_at": self.decided_at,
             "replicas": self.replicas,
             "inner": self.inner.state_dict(),
@@ -264,7 +266,8 @@ class AutoSync(Wrapper):
             chosen = build(self.candidates[state["key"]]) if state["key"] is not None else NoSync()
             chosen.setup(self.model, self.optimizer, self._context())
             self.inner, self.key = chosen, state["key"]
-        self.predicted_s, self.decided_at = state["predicted_s"], state["decided_at"]
+        # (its predicted step time is a measurement's, not state: the first check after this takes its reference)
+        self.predicted_s, self.decided_at = None, state["decided_at"]
         self.replicas = state.get("replicas", self.ctx.comm.size)
         # (a world of another size, after a join or a resume at another size: decide again at the next step's end)
         self._due = self.key is not None and self.replicas != self.ctx.comm.size
