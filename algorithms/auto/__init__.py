@@ -2,14 +2,14 @@
 again when the cluster changes.
 
 Its first ``probe_steps`` steps are local (each replica steps on its own: ``sync=none``) while it measures what the
-decision needs (:mod:`algorithms.auto.model`): each replica's forward + backward seconds per step (the median,
-the first step after a decision left out: it sets things up), then, in one
-collective, every replica's link (an exchange of ``probe_bytes`` with every peer, the fastest kept) and the latency
-(the same with a few bytes). Every rank decides from the same gathered numbers, so all of them choose alike at the
-same step. Then a switch: the replicas are averaged (they agree), and the chosen option is set up on the model and
-optimizer as they are. It decides again, and switches if another option is predicted faster by ``margin``:
+decision needs (:mod:`algorithms.auto.model`): each replica's forward + backward seconds per step (the median, the
+first step after a decision left out: it sets things up), then, in one collective, every replica's link (an exchange
+of ``probe_bytes`` with every peer, the fastest kept) and the latency (the same with a few bytes). Every rank
+decides from the same gathered numbers, so all of them choose alike at the same step. Then a switch: the replicas
+are averaged (they agree), and the chosen option is set up on the model and optimizer as they are. It decides again,
+and switches if another option is predicted faster by ``margin``:
 
-- after a change of the ranks (a loss, a join, an eviction), at the end of the next step;
+- after a change of the ranks (a loss, an eviction), at the end of the next step;
 - every ``check_every`` steps, when the measured seconds per step (the slowest rank's mean, from the start of a step
   to the end of its exchange, over the steps since the last decision) are ``drift`` times the predicted ones or
   more, or less than their ``1 / drift``;
