@@ -33,8 +33,8 @@ def test_rates_and_token_bucket_sizes():
     assert netns.parse_rate("unlimited") is None
     with pytest.raises(ValueError, match="'fast'"):
         netns.parse_rate("fast")
-    args = netns.tbf_args(1e8)  # 12.5 MB/s: 1.1 ms is 13.75 kB, below the 32 KiB floor
-    assert args[args.index("burst") + 1] == str(32 * 1024)
+    args = netns.tbf_args(1e8)  # 12.5 MB/s: 1.1 ms is 13.75 kB, below the 72 KiB floor (a 64 KiB GSO segment)
+    assert args[args.index("burst") + 1] == str(72 * 1024)
     args = netns.tbf_args(1e9)  # 125 MB/s: 1.1 ms is 137.5 kB
     assert args[args.index("burst") + 1] == str(137_500)
 
