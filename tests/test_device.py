@@ -38,7 +38,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401 
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from algorithms.allreduce import AllReduce
-from algorithms.base import StepResult, SyncContext, Wrapper
+from algorithms.base import StepResult, SyncContext
 from distributed.comm import Communicator
 from distributed.membership import Membership
 from engine.optim import build_optimizer
@@ -180,8 +180,7 @@ OPTIONS = sorted(path.stem for path in (CONF_DIR / "sync").glob("*.yaml"))
 WRAPPERS = [  # (the options around another, sync.inner; sync=auto chooses its own)
     o
     for o in OPTIONS
-    if issubclass(get_class(OmegaConf.load(CONF_DIR / "sync" / f"{o}.yaml")._target_), Wrapper)
-    and "inner" in inspect.signature(get_class(OmegaConf.load(CONF_DIR / "sync" / f"{o}.yaml")._target_)).parameters
+    if "inner" in inspect.signature(get_class(OmegaConf.load(CONF_DIR / "sync" / f"{o}.yaml")._target_)).parameters
 ]
 # Options under which each algorithm's state matters within 3 + 1 steps: local SGD averages after the resume, DiLoCo
 # takes an outer step before and after it, relaxed sync checks at every step (evicting nobody).

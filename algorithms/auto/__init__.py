@@ -46,7 +46,7 @@ def _plain(section: Any) -> dict[str, Any]:
     return OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
 
 
-def id_of(model: Any) -> Any:
+def _parameter_order(model: Any) -> Any:
     """A sort key that puts a model's parameters in the order of ``model.parameters()``: the same on every rank."""
     order = {id(p): i for i, p in enumerate(model.parameters())}
     return lambda p: order.get(id(p), len(order))
@@ -213,7 +213,7 @@ class AutoSync(Wrapper):
             state = self.optimizer.state
             tensors += [
                 t
-                for p in sorted(state, key=id_of(self.model))
+                for p in sorted(state, key=_parameter_order(self.model))
                 for t in state[p].values()
                 if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 0
             ]

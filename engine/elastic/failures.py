@@ -170,7 +170,7 @@ class Failures:
         cause = "died" if DIED.search(str(error)) else "hung"
         large = wide(len(m.ranks), m.store)
         if large:
-            agreed = self.wide.agree(generation, at, cause)
+            agreed = self.wide.agree(generation, at)
         else:
             agreed = self.decided(generation)  # (decided without this rank: it was hung, or it is late)
         if agreed is None:

@@ -80,10 +80,10 @@ class WideAgreement:
         self.membership, self.heartbeat, self.hang_timeout_s = membership, heartbeat, hang_timeout_s
         self.decision = decision
 
-    def agree(self, generation: int, at: Position, cause: str) -> dict[str, Any]:
-        """The decision on ``generation``'s failure, seen at ``at`` as ``cause`` ("died" or "hung"): made here if this
-        rank decides, read in the store if it relays, heard from a neighbour otherwise (``"ranks": []`` when nobody
-        was reported gone within ``hang_timeout_s`` and a silence: the error was not a loss)."""
+    def agree(self, generation: int, at: Position) -> dict[str, Any]:
+        """The decision on ``generation``'s failure, seen at ``at``: made here if this rank decides, read in the store
+        if it relays, heard from a neighbour otherwise (``"ranks": []`` when nobody was reported gone within
+        ``hang_timeout_s`` and a silence: the error was not a loss)."""
         m, heartbeat = self.membership, self.heartbeat
         heartbeat.alarm(generation)  # (every rank enters the agreement: a decider may be waiting on a collective)
         deciders, relays = roles(m.ranks, m.nodes)
