@@ -251,6 +251,14 @@ class SyncAlgorithm:
         """Bring what evaluation and checkpoints read into agreement; default: average BN buffers."""
         self.ctx.comm.average_buffers(self.model)
 
+    def take_local_steps(self, agreed: list[torch.Tensor], since: int) -> bool:
+        """After ``setup()``, where the replicas were identical ``since`` steps in (their parameters then:
+        ``agreed``, in ``model.parameters()`` order) and have each stepped on their own since, with nothing
+        exchanged: an option whose exchanges average the replicas' models (local SGD, DiLoCo) takes those steps as
+        its first period's and returns True; the default, False, leaves the caller to make the replicas agree (after
+        ``setup()``, which therefore must not read the parameters where this returns False)."""
+        return False
+
     def agreement_at(self, steps: int) -> int:
         """The first count of completed steps from ``steps`` on after which the replicas agree by the algorithm's
         own exchange, so that ``before_eval()`` has nothing to do there (a join admitted there costs the others
@@ -348,6 +356,9 @@ class Wrapper(SyncAlgorithm):
 
     def before_eval(self) -> None:
         self.inner.before_eval()
+
+    def take_local_steps(self, agreed: list[torch.Tensor], since: int) -> bool:
+        return self.inner.take_local_steps(agreed, since)
 
     def agreement_at(self, steps: int) -> int:
         return self.inner.agreement_at(steps)

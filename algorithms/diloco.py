@@ -143,6 +143,12 @@ class DiLoCo(Replicas):
         self.global_params = self.flat_parameters().float()  # (a new tensor: torch.cat copies)
         self.momentum = torch.zeros_like(self.global_params)
 
+    def take_local_steps(self, agreed: list[torch.Tensor], since: int) -> bool:
+        # The outer parameters are those the replicas agreed on: the next outer step of each fragment averages
+        # every step since. (The schedule counts steps from the run's start: a fragment due is due.)
+        self.global_params = torch.cat([p.reshape(-1) for p in agreed]).float()
+        return True
+
     # ---- the schedule --------------------------------------------------------------------------------------
     def after_optimizer_step(self, result: StepResult) -> SyncReport:
         step, metrics = result.step, {}

@@ -93,6 +93,12 @@ class LocalSGD(SyncAlgorithm):
             self.next_sync = step + 1 + self.k_steps
         return SyncReport(metrics=metrics, events=events)
 
+    def take_local_steps(self, agreed: list[torch.Tensor], since: int) -> bool:
+        if since < self.begin_step:  # (the synchronous phase needs replicas that agree)
+            return False
+        self.next_sync = since + self.k_steps  # (at once, at the next step's end, where that is past)
+        return True
+
     def on_sync(self, result: StepResult, metrics: dict[str, float]) -> list[dict[str, Any]]:
         """After an averaging (subclasses adapt the period here)."""
         return []

@@ -8,7 +8,8 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import FAST, compose_cfg, records, train
+import torch
+from conftest import FAST, compose_cfg, load_model_state, records, train, train_each
 
 from algorithms.auto import DATA, AutoSync
 from algorithms.auto.model import Measured, decide, kept, read_step_ratios, step_ratios, traffic
@@ -186,6 +187,31 @@ def test_every_switch_keeps_each_step_once_and_the_replicas_in_agreement(tmp_pat
     assert sorted(trained) == list(range(steps)) and len(set(trained)) == len(trained)
     chosen = [r for r in records(metrics, "event") if r.get("event") == "sync_chosen"]
     assert chosen and chosen[0]["why"] == "probe" and chosen[0]["at_steps"] == probe
+
+
+def test_an_option_that_averages_models_takes_the_probes_steps_as_its_first_period(tmp_path):
+    """Chosen after the probe, local SGD (k=4) and DiLoCo (H=4) start from the parameters the replicas agreed on
+    before it, without averaging them first: the run is the option's own from step 0, the same arithmetic in the
+    same order, so its model equals, to the bit, that of a run of the option alone. (Averaged at the switch, at
+    step 2, the replicas would part from that run's there.)"""
+    common = [*FAST, "trainer.nproc=2", "data=digits", "optimizer=momentum", "trainer.max_steps=6",
+              "trainer.checkpoint_every=0", "data.batch_size=16"]  # fmt: skip
+    auto = ["sync=auto", "sync.probe_steps=2", "sync.margin=1000"]  # (the start option is kept: it is chosen)
+    runs = {
+        "auto_localsgd": [*common, *auto, "sync.start=localsgd4"],
+        "localsgd": [*common, "sync=localsgd", "sync.begin_step=0", "sync.k_steps=4"],
+        "auto_diloco": [*common, *auto, "sync.start=diloco", "sync.candidates.diloco.inner_steps=4"],
+        "diloco": [*common, "sync=diloco", "sync.inner_steps=4"],
+    }
+    metrics = train_each(tmp_path, runs)
+    for option in ("localsgd", "diloco"):
+        chosen = [r for r in records(metrics[f"auto_{option}"], "event") if r.get("event") == "sync_chosen"]
+        assert [(c["option"], c["at_steps"]) for c in chosen] == [(f"{option}4" if option == "localsgd" else option, 2)]
+        ours, theirs = load_model_state(tmp_path / f"auto_{option}"), load_model_state(tmp_path / option)
+        assert ours.keys() == theirs.keys()
+        assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+    synced = [r["step"] for r in records(metrics["auto_localsgd"], "train") if r.get("synced")]
+    assert synced == [3], synced  # (k=4 from step 0: the probe's 2 steps were the first 2 of 4)
 
 
 class _Gathers:

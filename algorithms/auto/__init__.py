@@ -2,12 +2,15 @@
 again when the cluster changes.
 
 Its first ``probe_steps`` steps are local (each replica steps on its own: ``sync=none``) while it measures what the
-decision needs (:mod:`algorithms.auto.model`): each replica's forward + backward seconds per step (the median, the
-first step after a decision left out: it sets things up), then, in one collective, every replica's link (an exchange
-of ``probe_bytes`` with every peer, the fastest kept) and the latency (the same with a few bytes). Every rank
-decides from the same gathered numbers, so all of them choose alike at the same step. Then a switch: the replicas
-are averaged (they agree), and the chosen option is set up on the model and optimizer as they are. It decides again,
-and switches if another option is predicted faster by ``margin``:
+decision needs (:mod:`algorithms.auto.model`): each replica's pace, the seconds of a step without the exchange after
+its optimizer step (its data, forward, backward and the step itself: the median, the first step after a decision
+left out: it sets things up), then, in one collective, every replica's link (an exchange of ``probe_bytes`` with
+every peer, the fastest kept) and the latency (the same with a few bytes). Every rank decides from the same gathered
+numbers, so all of them choose alike at the same step. The chosen option is set up on the model and optimizer as
+they are; one that averages the replicas' models (local SGD, DiLoCo) takes the probe's local steps as its first
+period's, from the parameters the replicas agreed on when the probe started (``take_local_steps``), and any other
+starts after the replicas are averaged (they agree). It decides again, and switches if another option is predicted
+faster by ``margin``:
 
 - after a change of the ranks (a loss, an eviction), at the end of the next step;
 - every ``check_every`` steps, when the measured seconds per step (the slowest rank's mean, from the start of a step
@@ -85,10 +88,13 @@ class AutoSync(Wrapper):
         self.predicted_s: float | None = None  # its predicted seconds per step
         self.decided_at = 0  # the step count of the last decision
         self._due = False  # a change of the ranks: decide again at the end of the next step
-        self._compute: list[float] = []  # this rank's compute seconds per step since the last decision
-        self._steps: list[float] = []  # ... and its whole steps' seconds (before_step to the exchange's end)
+        self._pace: list[float] = []  # this rank's steps' seconds without the exchange, since the last decision
+        self._steps: list[float] = []  # ... and its whole steps' seconds (data, then before_step to the exchange's end)
         self._started: float | None = None  # when this step started (time.perf_counter)
         self.replicas = 0  # the replicas the last decision measured
+        # While probing: the parameters the replicas last agreed on, and after how many steps (None: not known)
+        self._agreed: tuple[int, list[torch.Tensor]] | None = None
+        self._done = 0  # steps completed
 
     @classmethod
     def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
@@ -123,22 +129,37 @@ class AutoSync(Wrapper):
                     raise error.under(f"sync.candidates.{key}") from None
 
     # ---- hooks -----------------------------------------------------------------------------------------------
+    def setup(self, model: Any, optimizer: Any, ctx: SyncContext) -> None:
+        super().setup(model, optimizer, ctx)
+        self._agreed = (0, self._snapshot())  # (every rank starts from the same seed)
+
+    def _snapshot(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+    def before_eval(self) -> None:
+        super().before_eval()
+        if self.key is None and self._agreed is not None:  # (the probe's replicas were averaged: they agree now)
+            self._agreed = (self._done, self._snapshot())
+
     def before_step(self, step: int) -> SyncReport:
         self._started = time.perf_counter()
         return super().before_step(step)
 
     def on_membership_change(self, change: Change) -> SyncReport:
         self._due = True
+        self._agreed = None  # (one that joined did not start from it)
         return super().on_membership_change(change)
 
     def after_optimizer_step(self, result: StepResult) -> SyncReport:
+        started, self._started = self._started, None  # (evaluations and checkpoints between steps are not a step's)
+        if started is not None:
+            self._pace.append(result.data_s + time.perf_counter() - started)
         report = super().after_optimizer_step(result)
-        steps = result.step + 1
-        self._compute.append(result.compute_s)
-        if self._started is not None:  # (evaluations and checkpoints between steps are not a step's time)
-            self._steps.append(time.perf_counter() - self._started)
+        steps = self._done = result.step + 1
+        if started is not None:
+            self._steps.append(result.data_s + time.perf_counter() - started)
         if self.key is None:
-            if len(self._compute) >= self.probe_steps:
+            if len(self._pace) >= self.probe_steps:
                 report += self._decide(steps, "probe")
         elif self._due:
             report += self._decide(steps, "the ranks changed")
@@ -170,7 +191,7 @@ class AutoSync(Wrapper):
         comm = self.ctx.comm
         # (the latest probe_steps: the first after a decision, which sets things up, left out; at a decision after a
         # drift, the steps since the cluster changed)
-        warm = (self._compute[1:] or self._compute)[-self.probe_steps :]
+        warm = (self._pace[1:] or self._pace)[-self.probe_steps :]
         own = torch.tensor([statistics.median(warm) if warm else 0.0], dtype=torch.float64, device=comm.device)
         compute = [t.item() for t in comm.all_gather(own)]
         link = torch.tensor([comm.probe_links(self.probe_bytes)], dtype=torch.float64, device=comm.device)
@@ -186,25 +207,40 @@ class AutoSync(Wrapper):
         choice = decide(self.candidates, self.ratios, measured, current=self.key or self.start, margin=self.margin)
         before = self.key
         if choice.key != before:
-            self._switch(choice.key)
+            self._switch(choice.key, probed_from=self._agreed if before is None else None)
+        self._agreed = None
         self.predicted_s, self.replicas = choice.predicted(choice.key).step_s, measured.replicas
         self._restart(steps)
         self._due = False
         return SyncReport(events=[self._event(choice, measured, before, steps, why)])
 
     def _restart(self, steps: int) -> None:
-        self.decided_at, self._compute, self._steps = steps, [], []
+        self.decided_at, self._pace, self._steps = steps, [], []
 
     def _context(self) -> SyncContext:
         """The context an option is set up in after a switch or a resume: the replicas agree there."""
         ctx = self.ctx
         return SyncContext(ctx.comm, ctx.membership, ctx.device, True, ctx.guests)
 
-    def _switch(self, key: str) -> None:
+    def _switch(self, key: str, probed_from: tuple[int, list[torch.Tensor]] | None = None) -> None:
         """Settle (the option running drains; the replicas are averaged: parameters, floating-point buffers and the
         optimizer's floating-point state, which local steps made differ and which an option that keeps the replicas
-        identical by exchanging gradients, allreduce, would otherwise step apart), then set up ``key``'s option."""
+        identical by exchanging gradients, allreduce, would otherwise step apart), then set up ``key``'s option.
+        From the probe (``probed_from``: the steps after which the replicas last agreed, and their parameters then,
+        where known), an option that takes the probe's local steps as its own is set up without the settle: its
+        first exchange is that; any other settles once it is set up (``take_local_steps``)."""
         self.inner.drain()
+        if probed_from is None:
+            self._settle()
+        self.inner = None  # (its hooks on the model, DDP's, go with it before the next one's)
+        chosen = build(self.candidates[key])
+        chosen.setup(self.model, self.optimizer, self._context())
+        if probed_from is not None and not chosen.take_local_steps(probed_from[1], probed_from[0]):
+            self._settle()
+        self.inner, self.key = chosen, key
+
+    def _settle(self) -> None:
+        """Average the replicas: parameters, floating-point buffers and the optimizer's floating-point state."""
         comm = self.ctx.comm
         tensors = [p.data for p in self.model.parameters()] + [
             b.data for b in self.model.buffers() if b.is_floating_point()
@@ -219,10 +255,6 @@ class AutoSync(Wrapper):
             ]
         if comm.size > 1:
             comm.all_reduce_coalesced(tensors, average=True)
-        self.inner = None  # (its hooks on the model, DDP's, go with it before the next one's)
-        chosen = build(self.candidates[key])
-        chosen.setup(self.model, self.optimizer, self._context())
-        self.inner, self.key = chosen, key
 
     def _event(self, choice: Choice, measured: Measured, before: str | None, steps: int, why: str) -> dict[str, Any]:
         chosen = choice.predicted(choice.key)
@@ -257,6 +289,7 @@ class AutoSync(Wrapper):
             "key": self.key,
             "decided_at": self.decided_at,
             "replicas": self.replicas,
+            "steps": self._done,
             "inner": self.inner.state_dict(),
         }
 
@@ -266,6 +299,9 @@ class AutoSync(Wrapper):
             chosen = build(self.candidates[state["key"]]) if state["key"] is not None else NoSync()
             chosen.setup(self.model, self.optimizer, self._context())
             self.inner, self.key = chosen, state["key"]
+        # (resumed in the probe: the replicas agree on the parameters loaded, those of the step it was saved at)
+        self._done = state.get("steps", state["decided_at"])
+        self._agreed = (self._done, self._snapshot()) if self.key is None else None
         # (its predicted step time is a measurement's, not state: the first check after this takes its reference)
         self.predicted_s, self.decided_at = None, state["decided_at"]
         self.replicas = state.get("replicas", self.ctx.comm.size)
