@@ -65,6 +65,16 @@ identical-on-every-rank may live there. On a resume the trainer loads the model 
 :class:`Wrapper`, which forwards every hook, capability flag, module and state of the inner algorithm; a
 subclass overrides a hook to add to it and calls ``super()``.
 
+**Switching (``sync=auto``).** An algorithm may be set up on a model and optimizer that another trained, at a step
+where that one drained. Two members say what such a start needs: ``steps_apart``, True where the replicas step on
+their own between exchanges of the model, each with its own optimizer state (local SGD, DiLoCo, gossip), so that a
+switch into it averages the parameters but not the optimizer's state (default False: the gradients are exchanged,
+and replicas that agree in both stay identical); and ``take_local_steps(agreed, since)``, called after ``setup()``
+where the replicas were identical ``since`` steps in (parameters ``agreed``) and have stepped on their own since:
+an algorithm whose exchanges average the models takes those steps as its first period's and returns True (no
+averaging before it); the default returns False, and the replicas are averaged after ``setup()``, which therefore
+reads no parameter.
+
 **Overflow steps** (AMP with dynamic loss scaling): ``grads_finite`` is this rank's own verdict on its
 unscaled gradients. Every rank must take the same branch, so an algorithm that communicates gradients returns
 in ``SyncReport.grads_finite`` a verdict derived from communicated data, identical on every rank (for DDP the
@@ -251,6 +261,11 @@ class SyncAlgorithm:
         """Bring what evaluation and checkpoints read into agreement; default: average BN buffers."""
         self.ctx.comm.average_buffers(self.model)
 
+    #: True where the replicas step on their own between exchanges of the model, each with its own optimizer state
+    #: (local SGD, DiLoCo, gossip); False where every replica takes the same step (the gradients are exchanged), so
+    #: that replicas whose parameters and optimizer state agree stay identical.
+    steps_apart = False
+
     def take_local_steps(self, agreed: list[torch.Tensor], since: int) -> bool:
         """After ``setup()``, where the replicas were identical ``since`` steps in (their parameters then:
         ``agreed``, in ``model.parameters()`` order) and have each stepped on their own since, with nothing
@@ -333,8 +348,13 @@ class Wrapper(SyncAlgorithm):
         return self.inner.module
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: SyncContext) -> None:
-        self.ctx, self.model, self.optimizer = ctx, model, optimizer
+        self.setup_around(model, optimizer, ctx)
         self.inner.setup(model, optimizer, ctx)
+
+    def setup_around(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: SyncContext) -> None:
+        """Set up this wrapper alone, around an inner algorithm already set up on ``model``, which keeps its state
+        (``sync=auto`` puts relaxed sync around the option running)."""
+        self.ctx, self.model, self.optimizer = ctx, model, optimizer
 
     def on_membership_change(self, change: Change) -> SyncReport:
         return self.inner.on_membership_change(change)
@@ -356,6 +376,10 @@ class Wrapper(SyncAlgorithm):
 
     def before_eval(self) -> None:
         self.inner.before_eval()
+
+    @property
+    def steps_apart(self) -> bool:  # type: ignore[override]
+        return self.inner.steps_apart
 
     def take_local_steps(self, agreed: list[torch.Tensor], since: int) -> bool:
         return self.inner.take_local_steps(agreed, since)

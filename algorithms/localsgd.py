@@ -93,6 +93,10 @@ class LocalSGD(SyncAlgorithm):
             self.next_sync = step + 1 + self.k_steps
         return SyncReport(metrics=metrics, events=events)
 
+    @property
+    def steps_apart(self) -> bool:  # type: ignore[override]
+        return self.begin_step == 0  # (before begin_step the replicas take the same steps: the gradients' average)
+
     def take_local_steps(self, agreed: list[torch.Tensor], since: int) -> bool:
         if since < self.begin_step:  # (the synchronous phase needs replicas that agree)
             return False

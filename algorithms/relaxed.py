@@ -229,6 +229,12 @@ class RelaxedSync(Wrapper):
         self.evictions = list(state.get("evictions", []))
 
     # ---- the check -------------------------------------------------------------------------------------------
+    def check_now(self, own_time: float, when: str) -> SyncReport:
+        """The check, at once, with ``own_time`` as this rank's time (``measure=link`` probes the links anew).
+        Collective: every active rank calls it at the same step."""
+        self._times = [own_time]
+        return self._check(when)
+
     def _check(self, when: str) -> SyncReport:
         m, comm = self.ctx.membership, self.ctx.comm
         self.inner.drain()  # nothing of the exchange may be in flight if the group changes

@@ -18,6 +18,7 @@ class Replicas(SyncAlgorithm):
     """Replicas that differ between agreements: evaluation reports the averaged model and the replicas' own
     accuracy; each rank checkpoints its own optimizer state."""
 
+    steps_apart = True
     evaluates_replicas = True
 
     def parameters(self) -> list[torch.Tensor]:

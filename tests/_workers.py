@@ -480,13 +480,18 @@ def auto_switch_walk(cfg: dict, run_dir: str) -> None:
         if since == 0 and auto.key != walk[0]:
             auto._switch(walk[0])
         elif since > 0 and since % 2 == 0 and at < len(walk):
-            before = auto.key
+            before, running = auto.key, auto.inner
             everyone = _all_params(trainer)  # (2 steps of the option since the switch into it)
             stayed = all(torch.equal(everyone[0], other) for other in everyone[1:])
             auto._switch(walk[at])
             everyone = _all_params(trainer)
             identical = all(torch.equal(everyone[0], other) for other in everyone[1:])
-            log.append({"step": result.step, "from": before, "to": auto.key, "identical": identical, "stayed": stayed})
+            # (relaxed sync put around the option running, or taken off it: that option goes on, with its state)
+            kept = getattr(auto.inner, "inner", None) is running or getattr(running, "inner", None) is auto.inner
+            log.append(
+                {"step": result.step, "from": before, "to": auto.key, "identical": identical, "stayed": stayed,
+                 "kept": kept}
+            )  # fmt: skip
         return report
 
     auto.after_optimizer_step = walk_on

@@ -181,6 +181,10 @@ def test_every_switch_keeps_each_step_once_and_the_replicas_in_agreement(tmp_pat
     assert all(e["identical"] for e in log), [e for e in log if not e["identical"]]
     # An option that keeps the replicas identical at every step (by exchanging gradients) still does 2 steps after
     # a switch into it from local steps: the settle averaged the optimizer's momenta too.
+    # Relaxed sync goes around the option running, or comes off it, and that option goes on with its own state.
+    wraps = {("allreduce", "relaxed_allreduce"), ("streaming", "relaxed_streaming")}
+    assert [e for e in log if e["kept"] != ((e["from"], e["to"]) in wraps or (e["to"], e["from"]) in wraps)] == []
+    assert sum(e["kept"] for e in log) == 4
     every_step = [e for e in log if e["from"] in ("allreduce", "relaxed_allreduce")]
     assert len(every_step) == 12 and all(e["stayed"] for e in every_step), [e for e in every_step if not e["stayed"]]
     trained = [r["step"] for r in records(metrics, "train")]
@@ -212,6 +216,29 @@ def test_an_option_that_averages_models_takes_the_probes_steps_as_its_first_peri
         assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
     synced = [r["step"] for r in records(metrics["auto_localsgd"], "train") if r.get("synced")]
     assert synced == [3], synced  # (k=4 from step 0: the probe's 2 steps were the first 2 of 4)
+
+
+def test_relaxed_sync_chosen_for_a_straggler_evicts_it_at_once(tmp_path):
+    """The probe measures one of 3 ranks at 4x the others' pace: sync=auto chooses relaxed sync for whom it would
+    evict, and relaxed sync's check runs in the same step, with the pace just measured (not 10 steps later, at its
+    own); then, the ranks changed, it decides again, and the survivors train on."""
+    probe = 3
+    _, metrics = train(
+        tmp_path, *FAST, "trainer.nproc=3", "data=digits", "sync=auto", f"sync.probe_steps={probe}",
+        "trainer.max_steps=7", "straggler=sleep", "straggler.ranks=[2]", "straggler.start_epoch=1",
+        "straggler.slowdown=4",
+    )  # fmt: skip
+    events = records(metrics, "event")
+    chosen = [r for r in events if r.get("event") == "sync_chosen"]
+    assert chosen[0]["at_steps"] == probe and chosen[0]["option"].startswith("relaxed_"), chosen[0]
+    assert chosen[0]["predicted"][chosen[0]["option"]]["replicas"] == 2
+    (evict,) = [r for r in events if r.get("event") == "evict"]
+    assert evict["ranks"] == [2] and "as sync=auto chose it" in evict["message"]
+    assert evict["step"] == probe - 1  # (in the probe's last step, as it decided)
+    assert chosen[1]["why"] == "the ranks changed" and chosen[1]["at_steps"] == probe + 1
+    steps = records(metrics, "train")
+    assert {r["world_size"] for r in steps if r["step"] >= probe} == {2}
+    assert sorted(r["step"] for r in steps) == list(range(7))
 
 
 class _Gathers:

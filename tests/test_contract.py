@@ -143,7 +143,7 @@ class _Recording(SyncAlgorithm):
 
 def test_a_wrapper_overrides_every_hook_of_the_contract():
     assert {"setup", "after_backward", "state_dict", "local_state_dict", "finalize"} <= set(HOOKS)
-    assert FLAGS == ["evaluates_replicas", "late_shared_state"]
+    assert FLAGS == ["evaluates_replicas", "late_shared_state", "steps_apart"]
     missing = [name for name in HOOKS if name != "validate" and name not in vars(Wrapper)]
     assert not missing, f"Wrapper does not forward {missing}"
 

@@ -13,15 +13,17 @@ starts after the replicas are averaged (they agree). It decides again, and switc
 faster by ``margin``:
 
 - after a change of the ranks (a loss, an eviction), at the end of the next step;
-- every ``check_every`` steps, when the measured seconds per step (the slowest rank's mean, from the start of a step
-  to the end of its exchange, over the steps since the last decision) are ``drift`` times the predicted ones or
+- every ``check_every`` steps, when the measured seconds per step (the slowest rank's mean, its data and the step to
+  the end of its exchange, over the steps since the last decision) are ``drift`` times the predicted ones or
   more, or less than their ``1 / drift``;
 - after a join, or a resume at another size (the state it loads was decided for another number of replicas).
 
-A switch drains the option running, averages the replicas (parameters, floating-point buffers and the optimizer's
-momenta, which local steps made differ), drops the option's own per-rank state (DGC residuals, DiLoCo's outer
-state) and sets up the next. Each decision is a ``sync_chosen`` event (the option, its settings, why, the measurements
-and every candidate's prediction) and a console line.
+A switch drains the option running, averages the replicas (parameters, floating-point buffers and, where the next
+option exchanges gradients, the optimizer's momenta, which local steps made differ), drops the option's own per-rank
+state (DGC residuals, DiLoCo's outer state) and sets up the next; relaxed sync is put around the option running, or
+taken off it, which keeps that option's state. Relaxed sync chosen for whom the measurement says it evicts checks at
+once. Each decision is a ``sync_chosen`` event (the option, its settings, why, the measurements and every candidate's
+prediction) and a console line.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 from algorithms.auto.model import Choice, Measured, decide, read_step_ratios
 from algorithms.base import StepResult, SyncAlgorithm, SyncContext, SyncReport, Wrapper
 from algorithms.none import NoSync
+from algorithms.relaxed import RelaxedSync
 from distributed.membership import Change
 from errors import ConfigError, is_int, is_number, require
 
@@ -60,6 +63,14 @@ def build(section: dict[str, Any]) -> SyncAlgorithm:
     from hydra.utils import instantiate
 
     return instantiate(section)
+
+
+def build_around(section: dict[str, Any], inner: SyncAlgorithm) -> Wrapper:
+    """The wrapper ``section`` configures (relaxed sync), around ``inner``, an option already running."""
+    from hydra.utils import get_class
+
+    settings = {k: v for k, v in section.items() if k not in ("_target_", "inner")}
+    return get_class(section["_target_"])(inner, **settings)
 
 
 class AutoSync(Wrapper):
@@ -92,6 +103,7 @@ class AutoSync(Wrapper):
         self._steps: list[float] = []  # ... and its whole steps' seconds (data, then before_step to the exchange's end)
         self._started: float | None = None  # when this step started (time.perf_counter)
         self.replicas = 0  # the replicas the last decision measured
+        self._own_pace = 0.0  # this rank's pace at the last measurement
         # While probing: the parameters the replicas last agreed on, and after how many steps (None: not known)
         self._agreed: tuple[int, list[torch.Tensor]] | None = None
         self._done = 0  # steps completed
@@ -192,7 +204,8 @@ class AutoSync(Wrapper):
         # (the latest probe_steps: the first after a decision, which sets things up, left out; at a decision after a
         # drift, the steps since the cluster changed)
         warm = (self._pace[1:] or self._pace)[-self.probe_steps :]
-        own = torch.tensor([statistics.median(warm) if warm else 0.0], dtype=torch.float64, device=comm.device)
+        self._own_pace = statistics.median(warm) if warm else 0.0
+        own = torch.tensor([self._own_pace], dtype=torch.float64, device=comm.device)
         compute = [t.item() for t in comm.all_gather(own)]
         link = torch.tensor([comm.probe_links(self.probe_bytes)], dtype=torch.float64, device=comm.device)
         latency = torch.tensor([comm.probe_links(LATENCY_BYTES)], dtype=torch.float64, device=comm.device)
@@ -212,7 +225,15 @@ class AutoSync(Wrapper):
         self.predicted_s, self.replicas = choice.predicted(choice.key).step_s, measured.replicas
         self._restart(steps)
         self._due = False
-        return SyncReport(events=[self._event(choice, measured, before, steps, why)])
+        report = SyncReport(events=[self._event(choice, measured, before, steps, why)])
+        if (
+            isinstance(self.inner, RelaxedSync)
+            and choice.key != before
+            and choice.predicted(choice.key).replicas < measured.replicas
+        ):
+            # (relaxed sync, chosen for whom it evicts: the pace just measured names them; its check, now)
+            report += self.inner.check_now(self._own_pace, f"at step {steps}, as sync=auto chose it")
+        return report
 
     def _restart(self, steps: int) -> None:
         self.decided_at, self._pace, self._steps = steps, [], []
@@ -223,29 +244,44 @@ class AutoSync(Wrapper):
         return SyncContext(ctx.comm, ctx.membership, ctx.device, True, ctx.guests)
 
     def _switch(self, key: str, probed_from: tuple[int, list[torch.Tensor]] | None = None) -> None:
-        """Settle (the option running drains; the replicas are averaged: parameters, floating-point buffers and the
-        optimizer's floating-point state, which local steps made differ and which an option that keeps the replicas
-        identical by exchanging gradients, allreduce, would otherwise step apart), then set up ``key``'s option.
+        """Drain the option running, settle (average the replicas: parameters, floating-point buffers and, unless
+        the next option's replicas step apart, the optimizer's floating-point state, which local steps made differ
+        and which an option that exchanges gradients, allreduce, would otherwise step apart on), then set up
+        ``key``'s option. Relaxed sync is put around the option running, or taken off it, which keeps its state.
         From the probe (``probed_from``: the steps after which the replicas last agreed, and their parameters then,
-        where known), an option that takes the probe's local steps as its own is set up without the settle: its
-        first exchange is that; any other settles once it is set up (``take_local_steps``)."""
+        where known), an option that takes the probe's local steps as its own (``take_local_steps``) is set up
+        without the settle: its first exchange is that; any other settles once it is set up."""
         self.inner.drain()
+        section, running = self.candidates[key], self.candidates.get(self.key or "")
+        if running is not None and section.get("inner") == running:  # X -> relaxed sync over X
+            kept: SyncAlgorithm | None = build_around(section, self.inner)
+        elif running is not None and running.get("inner") == section:  # relaxed sync over X -> X on its own
+            kept = self.inner.inner
+        else:
+            kept = None
+        chosen = kept or build(section)
+        optimizer = not chosen.steps_apart
         if probed_from is None:
-            self._settle()
+            self._settle(optimizer)
+        if kept is not None:
+            if isinstance(kept, Wrapper):
+                kept.setup_around(self.model, self.optimizer, self._context())
+            self.inner, self.key = kept, key
+            return
         self.inner = None  # (its hooks on the model, DDP's, go with it before the next one's)
-        chosen = build(self.candidates[key])
         chosen.setup(self.model, self.optimizer, self._context())
         if probed_from is not None and not chosen.take_local_steps(probed_from[1], probed_from[0]):
-            self._settle()
+            self._settle(optimizer)
         self.inner, self.key = chosen, key
 
-    def _settle(self) -> None:
-        """Average the replicas: parameters, floating-point buffers and the optimizer's floating-point state."""
+    def _settle(self, optimizer: bool = True) -> None:
+        """Average the replicas: parameters, floating-point buffers and (``optimizer``) the optimizer's floating-point
+        state."""
         comm = self.ctx.comm
         tensors = [p.data for p in self.model.parameters()] + [
             b.data for b in self.model.buffers() if b.is_floating_point()
         ]
-        if self.optimizer is not None:  # (momenta; a step counter is the same on every rank already)
+        if optimizer and self.optimizer is not None:  # (momenta; a step counter is the same on every rank already)
             state = self.optimizer.state
             tensors += [
                 t
