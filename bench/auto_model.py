@@ -4,9 +4,10 @@ the runs took, and the choice. No run: it reads ``bench/results/tta.jsonl`` and 
 
     python -m bench.auto_model [--data bench/results/tta.jsonl]
 
-The clusters are bench/tta's (docs/benchmarks/tta.md): 4 nodes, 0.038 s of forward + backward per step (4 workers
-on 2 cores), links of 100 Mbit or 1 Gbit through TCP/IP and tbf (1.07x slower than their rate), and the uneven one:
-1 Gbit with the last node at 100 Mbit and rank 1 computing 3x slower.
+The clusters are bench/tta's (docs/benchmarks/tta.md): 4 nodes whose pace (a step without its exchange: what the
+probe measures) is the step of the data's ``sync=none`` cell at 100 Mbit (4 workers on 2 cores: 0.051 s in
+bench/results/tta.jsonl), links of 100 Mbit or 1 Gbit through TCP/IP and tbf (1.07x slower than their rate), and the
+uneven one: 1 Gbit with the last node at 100 Mbit and rank 1 computing 3x slower.
 """
 
 from __future__ import annotations
@@ -18,22 +19,28 @@ from pathlib import Path
 from algorithms.auto import DATA
 from algorithms.auto.model import Measured, decide, read_step_ratios
 
-COMPUTE_S = 0.038
+NODES, BATCH = 4, 32  # bench/tta's cluster and a node's batch
 WIRE = 1.07  # TCP/IP and tbf's overhead over the link's rate
 PROBE = 1 << 18
 LATENCY_S = 0.0005
 MBIT = 1e6 / 8 / WIRE  # bytes a second of a megabit link, as the runs saw it
 
 
-def clusters(shapes: tuple[tuple[int, ...], ...]) -> dict[str, Measured]:
+def pace(records: list[dict]) -> float:
+    """Seconds of a step with nothing exchanged: the ``sync=none`` cell's at 100 Mbit."""
+    none = next(r for r in records if r["scenario"] == "fleet" and r["algorithm"] == "none")
+    return NODES * BATCH / none["samples_per_s"]
+
+
+def clusters(shapes: tuple[tuple[int, ...], ...], pace_s: float) -> dict[str, Measured]:
     def measured(compute: list[float], mbit: list[float]) -> Measured:
         links = tuple(LATENCY_S + PROBE / (m * MBIT) for m in mbit)
         return Measured(shapes, tuple(compute), links, PROBE, LATENCY_S)
 
     return {
-        "fleet": measured([COMPUTE_S] * 4, [100] * 4),
-        "1gbit": measured([COMPUTE_S] * 4, [1000] * 4),
-        "uneven": measured([COMPUTE_S, 3 * COMPUTE_S, COMPUTE_S, COMPUTE_S], [1000] * 3 + [100]),
+        "fleet": measured([pace_s] * NODES, [100] * NODES),
+        "1gbit": measured([pace_s] * NODES, [1000] * NODES),
+        "uneven": measured([pace_s, 3 * pace_s, pace_s, pace_s], [1000] * 3 + [100]),
     }
 
 
@@ -52,7 +59,7 @@ def table(data: Path) -> str:
         "|---|---|---|---|---|---|",
     ]
     chosen = []
-    for scenario, measured in clusters(shapes).items():
+    for scenario, measured in clusters(shapes, pace(records)).items():
         choice = decide(candidates, ratios, measured, current="allreduce")
         seconds = {r["algorithm"]: r["seconds"] for r in records if r["scenario"] == scenario and r["reached"]}
         allreduce = choice.predicted("allreduce").score

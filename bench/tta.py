@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -207,16 +208,27 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     common = [
         "experiment=tta", f"trainer.seed={args.seed}", f"trainer.eval_every_steps={args.eval_every}",
     ]  # fmt: skip
+    cells = cells_of(args)  # (with --repeats: a scenario's cells once each, then again, side by side in time)
+    runs = [
+        (scenario, key, name, overrides, attempt)
+        for scenario in dict.fromkeys(c[0] for c in cells)
+        for attempt in range(1, args.repeats + 1)
+        for s, key, name, overrides in cells
+        if s == scenario
+    ]
     try:
         with EmulatedNetwork(args.nodes) as net:
             shaped = None
-            for i, (scenario, key, name, overrides) in enumerate(cells_of(args)):
+            for i, (scenario, key, name, overrides, attempt) in enumerate(runs):
                 if shaped != scenario:
                     net.shape(rates_for(scenario, args.nodes))
                     shaped = scenario
-                print(f"[{time.strftime('%H:%M:%S')}] {scenario:>7}  {name}", flush=True)
+                of = f" ({attempt} of {args.repeats})" if args.repeats > 1 else ""
+                print(f"[{time.strftime('%H:%M:%S')}] {scenario:>7}  {name}{of}", flush=True)
                 row = {"scenario": scenario, "algorithm": key, "name": name, "nodes": args.nodes, "target": args.target,
                        "procs_per_node": args.procs, "scope": key.partition("@")[2] or "process"}  # fmt: skip
+                if args.repeats > 1:
+                    row["attempt"] = attempt
                 try:
                     then = SCENARIOS[scenario].get("then")
                     change = None
@@ -224,7 +236,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         change = (then["epoch"], lambda rates=then["rates"]: net.shape(rates * args.nodes))
                         shaped = None  # (the next cell starts from the scenario's own rates again)
                     job = run_job(
-                        net, [*common, *overrides], args.max_steps or 10**9, f"{scenario}-{key.replace('@', '-')}",
+                        net, [*common, *overrides], args.max_steps or 10**9,
+                        f"{scenario}-{key.replace('@', '-')}-{attempt}",
                         args.port + i, workdir, args.cell_timeout, procs=args.procs, at_epoch=change,
                     )  # fmt: skip
                     row.update(time_to_target(job["metrics"], args.target), wall_s=job["wall_s"])
@@ -241,6 +254,25 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return rows
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per scenario and algorithm: with ``--repeats``, the run of median seconds to the target (one that
+    never reached it counts as the slowest), with every run's seconds beside it (``runs_s``: None where it did
+    not reach the target)."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["scenario"], r["algorithm"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        if len(runs) == 1:
+            out.append(runs[0])
+            continue
+        ranked = sorted(runs, key=lambda r: r["seconds"] if r.get("reached") else math.inf)
+        median = dict(ranked[(len(ranked) - 1) // 2])
+        median["runs_s"] = [r["seconds"] if r.get("reached") else None for r in runs]
+        out.append(median)
+    return out
 
 
 def label(scenario: str) -> str:
@@ -271,7 +303,11 @@ def table(rows: list[dict[str, Any]]) -> str:
                 out.append(f"not reached ({r['best_top1']:.1f}% in {r['trained_s']:.0f} s)")
             else:
                 ratio = f" ({r['seconds'] / base:.2f}×)" if base else ""
-                out.append(f"{r['seconds']:.0f} s{ratio}, {r['steps']} steps, {r['mb_per_node']:.0f} MB")
+                spread = ""
+                if r.get("runs_s"):
+                    reached = [t for t in r["runs_s"] if t is not None]
+                    spread = f" [{len(reached)}/{len(r['runs_s'])}: {min(reached):.1f}–{max(reached):.1f} s]"
+                out.append(f"{r['seconds']:.1f} s{ratio}{spread}, {r['steps']} steps, {r['mb_per_node']:.0f} MB")
         lines.append(f"| {label(scenario)} | " + " | ".join(out) + " |")
     lines.append("")
     for scenario in dict.fromkeys(r["scenario"] for r in rows):
@@ -399,6 +435,7 @@ def plot(rows: list[dict[str, Any]], out: Path, name: str = "tta") -> list[Path]
 
 
 def report(rows: list[dict[str, Any]], out: Path, command: str, name: str = "tta") -> str:
+    rows = medians(rows)
     text = "\n\n".join(part for part in (table(rows), scope_table(rows), sweep_table(rows)) if part)
     (out / f"{name}.md").write_text(f"{text}\n\n{command}; {machine()}\n")
     plot(rows, out, name)
@@ -421,6 +458,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sweep", default=",".join(SWEEP), help="the period sweep's cells ('' for none)")
     parser.add_argument("--sweep-epochs", type=int, default=8, help="epochs each sweep cell trains, without a target")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every cell (tables: the median run's)")
     parser.add_argument("--cell-timeout", type=float, default=900.0, help="seconds before a run counts as failed")
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--procs", type=int, default=1, help="processes per node (> 1: each cell at both scopes)")
@@ -430,6 +468,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.procs < 1 or NODE_BATCH % args.procs:
         parser.error(f"--procs={args.procs}: a divisor of the node's batch, {NODE_BATCH}")
+    if args.repeats < 1:
+        parser.error(f"--repeats={args.repeats}: 1 or more")
     args.name = args.name or ("tta" if args.procs == 1 else "tta_nodes")
     for flag, value, allowed in (
         ("--scenarios", args.scenarios, SCENARIOS),

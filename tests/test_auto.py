@@ -75,6 +75,11 @@ def test_step_ratios_are_read_from_the_recorded_results(tmp_path):
         {"scenario": "a", "algorithm": "never", "reached": False, "steps": None},
     ]
     assert step_ratios(records_) == {"allreduce": 1.0, "x": 1.75}
+    repeated = [  # (bench/tta --repeats: an option's runs in a scenario count as their median)
+        *({"scenario": "d", "algorithm": "allreduce", "reached": True, "steps": n} for n in (60, 70)),
+        *({"scenario": "d", "algorithm": "x", "reached": True, "steps": n} for n in (60, 90, 300)),
+    ]
+    assert step_ratios(repeated) == {"allreduce": 1.0, "x": 90 / 65}
     # The project's own: what bench/tta recorded, as docs/benchmarks/tta.md shows it.
     ratios = read_step_ratios(DATA)
     assert ratios["localsgd16"] == 60 / 64 and ratios["streaming"] == 68 / 64 and ratios["diloco"] == 110 / 64

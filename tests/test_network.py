@@ -183,6 +183,28 @@ def test_with_processes_per_node_each_cell_runs_at_both_scopes_with_the_nodes_ba
     assert "| x | not reached (90.0%) |  |  |  |" in text
 
 
+def test_repeated_cells_report_the_median_run_and_every_runs_seconds():
+    from bench.tta import auto_verdict, medians, parse_args, table
+
+    assert parse_args(["--repeats", "3"]).repeats == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--repeats", "0"])
+
+    def run(key: str, seconds: float | None, attempt: int) -> dict:
+        return {"scenario": "fleet", "algorithm": key, "name": key, "attempt": attempt, "reached": seconds is not None,
+                "seconds": seconds, "steps": 10, "mb_per_node": 1.0, "best_top1": 90.0, "trained_s": 9.0,
+                "syncs": []}  # fmt: skip
+
+    rows = [run("allreduce", t, i) for i, t in enumerate((9.0, 8.0, 12.0))]
+    rows += [run("auto", t, i) for i, t in enumerate((2.0, None, 3.0))]  # (one never reached it: the slowest)
+    rows += [run("localsgd16", t, i) for i, t in enumerate((2.5, 2.4, 2.6))]
+    kept = {r["algorithm"]: r for r in medians(rows)}
+    assert kept["allreduce"]["seconds"] == 9.0 and kept["allreduce"]["runs_s"] == [9.0, 8.0, 12.0]
+    assert kept["auto"]["seconds"] == 3.0 and kept["auto"]["runs_s"] == [2.0, None, 3.0]
+    assert "3.0 s (0.33×) [2/3: 2.0–3.0 s]" in table(medians(rows))
+    assert "auto: 1.20x the best static option's time (localsgd16)" in auto_verdict(list(kept.values()))
+
+
 @pytest.mark.full  # ~35 s; make test: the emulated two-node job above and the time-to-target measure's unit test
 @pytest.mark.skipif(REASON is not None, reason=f"network emulation unavailable: {REASON}")
 def test_time_to_accuracy_miniature_two_algorithms_on_two_nodes(tmp_path):

@@ -2,8 +2,8 @@
 
     time to the target (option)  =  steps to it, relative to allreduce's (data)  x  seconds per step (predicted)
 
-**Seconds per step** come from what the probe measured on this cluster (:class:`Measured`): the pace of the slowest
-replica's forward and backward (every option waits for it, at every step or at every k-th), and the seconds of
+**Seconds per step** come from what the probe measured on this cluster (:class:`Measured`): the slowest replica's
+pace, a step without its exchange (every option waits for it, at every step or at every k-th), and the seconds of
 what the option sends per step (:func:`traffic`, from the model's tensors and the option's settings) on the
 slowest link that carries it, added to the pace, or the larger of the two where the option overlaps its exchange
 with the next steps' compute (streaming DiLoCo's delay, gossip's overlap). A ring allreduce of S bytes over N
@@ -42,9 +42,9 @@ INT8_BYTES = 1
 @dataclass(frozen=True)
 class Measured:
     """What the probe measured: the shapes of the tensors the exchanges carry, and per replica (a node under
-    ``sync.scope=node``, else a process) its forward + backward seconds per step and its fastest exchange of
-    ``probe_bytes`` each way with a peer (``Communicator.probe_links``), and the seconds of an exchange of a few
-    bytes (the latency of one message)."""
+    ``sync.scope=node``, else a process) its pace (``compute_s``: the seconds of a step without its exchange: data,
+    forward, backward, optimizer step) and its fastest exchange of ``probe_bytes`` each way with a peer
+    (``Communicator.probe_links``), and the seconds of an exchange of a few bytes (the latency of one message)."""
 
     shapes: tuple[tuple[int, ...], ...]
     compute_s: tuple[float, ...]
@@ -200,11 +200,13 @@ def step_seconds(section: Mapping[str, Any], measured: Measured) -> float:
 def step_ratios(records: Iterable[Mapping[str, Any]], baseline: str = "allreduce") -> dict[str, float]:
     """From bench/tta's records (one per run: ``scenario``, ``algorithm``, ``reached``, ``steps``): each option's
     steps to the target over ``baseline``'s in the same scenario, the median over the scenarios where both reached
-    it (the baseline's own: 1.0). Options that never reached it where the baseline did are left out."""
-    steps: dict[str, dict[str, int]] = {}
+    it (the baseline's own: 1.0). Options that never reached it where the baseline did are left out. Repeated runs
+    of an option in a scenario (``--repeats``) count as their median steps."""
+    runs: dict[str, dict[str, list[int]]] = {}
     for r in records:
         if r.get("reached") and r.get("steps"):
-            steps.setdefault(str(r["scenario"]), {})[str(r["algorithm"])] = int(r["steps"])
+            runs.setdefault(str(r["scenario"]), {}).setdefault(str(r["algorithm"]), []).append(int(r["steps"]))
+    steps = {scenario: {o: statistics.median(n) for o, n in by.items()} for scenario, by in runs.items()}
     ratios: dict[str, list[float]] = {}
     for by_option in steps.values():
         if baseline not in by_option:
