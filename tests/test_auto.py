@@ -230,7 +230,7 @@ def test_relaxed_sync_chosen_for_a_straggler_evicts_it_at_once(tmp_path):
     probe = 3
     _, metrics = train(
         tmp_path, *FAST, "trainer.nproc=3", "data=digits", "sync=auto", f"sync.probe_steps={probe}",
-        "trainer.max_steps=7", "straggler=sleep", "straggler.ranks=[2]", "straggler.start_epoch=1",
+        "trainer.max_steps=8", "straggler=sleep", "straggler.ranks=[2]", "straggler.start_epoch=1",
         "straggler.slowdown=4",
     )  # fmt: skip
     events = records(metrics, "event")
@@ -240,10 +240,10 @@ def test_relaxed_sync_chosen_for_a_straggler_evicts_it_at_once(tmp_path):
     (evict,) = [r for r in events if r.get("event") == "evict"]
     assert evict["ranks"] == [2] and "as sync=auto chose it" in evict["message"]
     assert evict["step"] == probe - 1  # (in the probe's last step, as it decided)
-    assert chosen[1]["why"] == "the ranks changed" and chosen[1]["at_steps"] == probe + 1
+    assert chosen[1]["why"] == "the ranks changed" and chosen[1]["at_steps"] == 2 * probe  # (3 steps measured anew)
     steps = records(metrics, "train")
     assert {r["world_size"] for r in steps if r["step"] >= probe} == {2}
-    assert sorted(r["step"] for r in steps) == list(range(7))
+    assert sorted(r["step"] for r in steps) == list(range(8))
 
 
 class _Gathers:

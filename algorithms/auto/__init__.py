@@ -12,7 +12,8 @@ period's, from the parameters the replicas agreed on when the probe started (``t
 starts after the replicas are averaged (they agree). It decides again, and switches if another option is predicted
 faster by ``margin``:
 
-- after a change of the ranks (a loss, an eviction), at the end of the next step;
+- after a change of the ranks (a loss, an eviction), ``probe_steps`` steps later (their paces measured, the first
+  left out: it rebuilt what the change asked for);
 - every ``check_every`` steps, when the measured seconds per step (the slowest rank's mean, its data and the step to
   the end of its exchange, over the steps since the last decision) are ``drift`` times the predicted ones or
   more, or less than their ``1 / drift``;
@@ -98,7 +99,7 @@ class AutoSync(Wrapper):
         self.key: str | None = None  # the candidate running (None while probing)
         self.predicted_s: float | None = None  # its predicted seconds per step
         self.decided_at = 0  # the step count of the last decision
-        self._due = False  # a change of the ranks: decide again at the end of the next step
+        self._due = False  # a change of the ranks: decide again once probe_steps steps measured the new ones
         self._pace: list[float] = []  # this rank's steps' seconds without the exchange, since the last decision
         self._steps: list[float] = []  # ... and its whole steps' seconds (data, then before_step to the exchange's end)
         self._started: float | None = None  # when this step started (time.perf_counter)
@@ -160,6 +161,7 @@ class AutoSync(Wrapper):
     def on_membership_change(self, change: Change) -> SyncReport:
         self._due = True
         self._agreed = None  # (one that joined did not start from it)
+        self._pace, self._steps = [], []  # (measured again from here: the steps before ran on other ranks)
         return super().on_membership_change(change)
 
     def after_optimizer_step(self, result: StepResult) -> SyncReport:
@@ -174,7 +176,8 @@ class AutoSync(Wrapper):
             if len(self._pace) >= self.probe_steps:
                 report += self._decide(steps, "probe")
         elif self._due:
-            report += self._decide(steps, "the ranks changed")
+            if len(self._pace) >= self.probe_steps:
+                report += self._decide(steps, "the ranks changed")
         elif steps - self.decided_at >= self.check_every:
             drifted = self._drift()
             if drifted:
@@ -341,7 +344,7 @@ class AutoSync(Wrapper):
         # (its predicted step time is a measurement's, not state: the first check after this takes its reference)
         self.predicted_s, self.decided_at = None, state["decided_at"]
         self.replicas = state.get("replicas", self.ctx.comm.size)
-        # (a world of another size, after a join or a resume at another size: decide again at the next step's end)
+        # (a world of another size, after a join or a resume at another size: decide again, probe_steps steps on)
         self._due = self.key is not None and self.replicas != self.ctx.comm.size
         self.inner.load_state_dict(state["inner"])
 
