@@ -6,6 +6,7 @@ what cost in bytes, on the same runs.
                         [--target 95] [--eval-every 2] [--epochs 25] [--sweep localsgd1,...] [--sweep-epochs 8]
     python -m bench.tta --report bench/results      # redraw the tables and plots from a run's records
     python -m bench.tta --nodes 2 --procs 2 --scenarios fleet --sweep ''    # sync.scope=node against process
+    python -m bench.tta --repeats 3 ...    # every cell at seeds 0, 1, 2 (a scenario's cells side by side each time)
 
 Every cell is one multi-node torchrun job on the emulated network of ``bench/network`` (one namespace and one
 worker per node), training ``experiment=tta`` (timm's test_resnet on digits at 32 px; docs/benchmarks/tta.md says
@@ -206,7 +207,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         shutil.copyfile(RESULTS / "tta.jsonl", args.steps_data)
     rows = []
     common = [
-        "experiment=tta", f"trainer.seed={args.seed}", f"trainer.eval_every_steps={args.eval_every}",
+        "experiment=tta", f"trainer.eval_every_steps={args.eval_every}",
     ]  # fmt: skip
     cells = cells_of(args)  # (with --repeats: a scenario's cells once each, then again, side by side in time)
     runs = [
@@ -228,15 +229,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 row = {"scenario": scenario, "algorithm": key, "name": name, "nodes": args.nodes, "target": args.target,
                        "procs_per_node": args.procs, "scope": key.partition("@")[2] or "process"}  # fmt: skip
                 if args.repeats > 1:
-                    row["attempt"] = attempt
+                    row["attempt"], row["seed"] = attempt, args.seed + attempt - 1
                 try:
                     then = SCENARIOS[scenario].get("then")
                     change = None
                     if then is not None:
                         change = (then["epoch"], lambda rates=then["rates"]: net.shape(rates * args.nodes))
                         shaped = None  # (the next cell starts from the scenario's own rates again)
+                    seed = args.seed + attempt - 1  # (each attempt its own seed, alike for the cells side by side)
                     job = run_job(
-                        net, [*common, *overrides], args.max_steps or 10**9,
+                        net, [*common, f"trainer.seed={seed}", *overrides], args.max_steps or 10**9,
                         f"{scenario}-{key.replace('@', '-')}-{attempt}",
                         args.port + i, workdir, args.cell_timeout, procs=args.procs, at_epoch=change,
                     )  # fmt: skip
@@ -257,9 +259,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per scenario and algorithm: with ``--repeats``, the run of median seconds to the target (one that
-    never reached it counts as the slowest), with every run's seconds beside it (``runs_s``: None where it did
-    not reach the target)."""
+    """One row per scenario and algorithm: with ``--repeats`` (a seed each), the run of median seconds to the target
+    (one that never reached it counts as the slowest), with every run's seconds beside it (``runs_s``: None where it
+    did not reach the target)."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["scenario"], r["algorithm"]), []).append(r)
@@ -458,7 +460,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sweep", default=",".join(SWEEP), help="the period sweep's cells ('' for none)")
     parser.add_argument("--sweep-epochs", type=int, default=8, help="epochs each sweep cell trains, without a target")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=1, help="runs of every cell (tables: the median run's)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of every cell, seeds --seed, --seed + 1, ... (tables: the median's)",
+    )
     parser.add_argument("--cell-timeout", type=float, default=900.0, help="seconds before a run counts as failed")
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--procs", type=int, default=1, help="processes per node (> 1: each cell at both scopes)")

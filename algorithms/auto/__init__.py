@@ -208,12 +208,9 @@ class AutoSync(Wrapper):
         # drift, the steps since the cluster changed)
         warm = (self._pace[1:] or self._pace)[-self.probe_steps :]
         self._own_pace = statistics.median(warm) if warm else 0.0
-        own = torch.tensor([self._own_pace], dtype=torch.float64, device=comm.device)
-        compute = [t.item() for t in comm.all_gather(own)]
-        link = torch.tensor([comm.probe_links(self.probe_bytes)], dtype=torch.float64, device=comm.device)
-        latency = torch.tensor([comm.probe_links(LATENCY_BYTES)], dtype=torch.float64, device=comm.device)
-        links = [t.item() for t in comm.all_gather(link)]
-        latencies = [t.item() for t in comm.all_gather(latency)]
+        link, latency = comm.probe_links(self.probe_bytes), comm.probe_links(LATENCY_BYTES)
+        own = torch.tensor([self._own_pace, link, latency], dtype=torch.float64, device=comm.device)
+        compute, links, latencies = zip(*(t.tolist() for t in comm.all_gather(own)))  # (one collective for the three)
         finite = [t for t in latencies if t != float("inf")]
         shapes = tuple(tuple(p.shape) for p in self.model.parameters())
         return Measured(shapes, tuple(compute), tuple(links), self.probe_bytes, statistics.median(finite or [0.0]))
@@ -262,7 +259,7 @@ class AutoSync(Wrapper):
             kept = self.inner.inner
         else:
             kept = None
-        chosen = kept or build(section)
+        chosen = kept if kept is not None else build(section)
         optimizer = not chosen.steps_apart
         if probed_from is None:
             self._settle(optimizer)
