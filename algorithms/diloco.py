@@ -144,8 +144,8 @@ class DiLoCo(Replicas):
         self.momentum = torch.zeros_like(self.global_params)
 
     def take_local_steps(self, agreed: list[torch.Tensor], since: int) -> bool:
-        # The outer parameters are those the replicas agreed on: the next outer step of each fragment averages
-        # every step since. (The schedule counts steps from the run's start: a fragment due is due.)
+        # The outer parameters are those the replicas agreed on: each fragment's next outer step averages every
+        # step since. (Fragments fall due by the run's step count, as they would have from step 0.)
         self.global_params = torch.cat([p.reshape(-1) for p in agreed]).float()
         return True
 
