@@ -328,9 +328,10 @@ def markdown(r: dict[str, Any], command: str) -> str:
         ("plain torch loop (same model, batch, precision, layout, cudnn.benchmark, compile)", f"{r['plain_img_s']:.0f}"),  # noqa: E501
         ("`train.py` (sync=allreduce, one process, uint8 synthetic images via the loaders)", f"{r['ours_img_s']:.0f}"),
         ("ratio (ours / plain)", f"{r['ratio']:.3f}"),
-        (f"imagefolder loader alone (500x375 JPEGs decoded and augmented by {r['loader_workers']} workers, whole "
-         "epochs)", f"{r['loader_img_s']:.0f}"),
     ]  # fmt: skip
+    if r["loader_workers"]:  # (--images 0: not measured)
+        rows.append((f"imagefolder loader alone (500x375 JPEGs decoded and augmented by {r['loader_workers']} workers, "
+                     "whole epochs)", f"{r['loader_img_s']:.0f}"))  # fmt: skip
     lines = [
         "# One GPU: train.py against a plain torch loop, the loader, NCCL recoveries",
         "",
@@ -345,8 +346,7 @@ def markdown(r: dict[str, Any], command: str) -> str:
         "",
         f"Per step of `train.py`: data wait {r['ours_data_s'] * 1e3:.2f} ms, GPU compute "
         f"{r['ours_compute_s'] * 1e3:.2f} ms, GPU communication {r['ours_comm_s'] * 1e3:.2f} ms, "
-        f"step {r['ours_step_s'] * 1e3:.2f} ms "
-        f"(the loader's workers: {r['loader_workers']}).",
+        f"step {r['ours_step_s'] * 1e3:.2f} ms.",
         "",
         f"NCCL kill cases (`make test-gpu`'s): {faults}; "
         f"`recovery_s` of each `rank_lost`: {recoveries}.",
