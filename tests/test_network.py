@@ -94,7 +94,9 @@ def test_two_node_torchrun_job_across_two_namespaces(tmp_path):
     assert len(steps) == 6 and all(r["world_size"] == 2 for r in steps)
     assert steps[0]["bytes_sent"] == 4 * TEST_RESNET_PARAMS  # ring allreduce of 2: each node sends S
     steady = steady_state(out["metrics"], warmup=1, window=5)
-    assert 1.0 <= steady["wire_over_counted"] <= 1.10
+    # (within 10 % either way, not >= 1: a step's wire bytes are the interface's counter when its record is written,
+    # and the last segments of a step may still wait in tbf's queue then, counted in the next step's)
+    assert 0.90 <= steady["wire_over_counted"] <= 1.10
     assert all(tx >= 6 * 4 * TEST_RESNET_PARAMS for tx in out["node_tx_bytes"])  # both nodes sent every step
 
 
