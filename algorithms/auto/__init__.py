@@ -13,10 +13,12 @@ starts after the replicas are averaged (they agree). It decides again, and switc
 faster by ``margin``:
 
 - after a change of the ranks (a loss, an eviction), ``probe_steps`` steps later (their paces measured, the first
-  left out: it rebuilt what the change asked for);
+  left out: it rebuilt what the change asked for), but for the eviction a decision chose relaxed sync for: that
+  decision predicted the ranks kept;
 - every ``check_every`` steps, when the measured seconds per step (the slowest rank's mean, its data and the step to
   the end of its exchange, over the steps since the last decision) are ``drift`` times the predicted ones or
-  more, or less than their ``1 / drift``;
+  more, or less than their ``1 / drift``. Where the paces measured since explain the latest steps' time under the
+  option running, with the links as last measured, it decides by them without probing the links again;
 - after a join, or a resume at another size (the state it loads was decided for another number of replicas).
 
 A switch drains the option running, averages the replicas (parameters, floating-point buffers and, where the next
@@ -29,6 +31,7 @@ prediction) and a console line.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -36,10 +39,10 @@ from typing import Any
 
 import torch
 
-from algorithms.auto.model import Choice, Measured, decide, read_step_ratios
+from algorithms.auto.model import Choice, Measured, decide, read_step_ratios, step_seconds
 from algorithms.base import StepResult, SyncAlgorithm, SyncContext, SyncReport, Wrapper
 from algorithms.none import NoSync
-from algorithms.relaxed import RelaxedSync
+from algorithms.relaxed import EVICTED, RelaxedSync
 from distributed.membership import Change
 from errors import ConfigError, is_int, is_number, require
 
@@ -108,6 +111,8 @@ class AutoSync(Wrapper):
         # While probing: the parameters the replicas last agreed on, and after how many steps (None: not known)
         self._agreed: tuple[int, list[torch.Tensor]] | None = None
         self._done = 0  # steps completed
+        self._measured: Measured | None = None  # what the last decision measured (None: not of the ranks now)
+        self._evicting: int | None = None  # the replicas the decision of this step chose relaxed sync to keep
 
     @classmethod
     def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
@@ -156,13 +161,22 @@ class AutoSync(Wrapper):
 
     def before_step(self, step: int) -> SyncReport:
         self._started = time.perf_counter()
+        self._evicting = None  # (the eviction a decision asked for comes in the step it was decided)
         return super().before_step(step)
 
     def on_membership_change(self, change: Change) -> SyncReport:
-        self._due = True
-        self._agreed = None  # (one that joined did not start from it)
+        expected, self._evicting = self._evicting, None
+        self._agreed, self._measured = None, None  # (one that joined did not start from it; the ranks are others)
         self._pace, self._steps = [], []  # (measured again from here: the steps before ran on other ranks)
-        return super().on_membership_change(change)
+        report = super().on_membership_change(change)
+        if expected is not None and change.cause == EVICTED and not change.added and self.ctx.comm.size == expected:
+            # (the eviction this step's decision chose relaxed sync for: its prediction was for the ranks kept, so
+            # it holds; the drift check measures them from here)
+            self.replicas = expected
+            self._restart(self._done)
+        else:
+            self._due = True
+        return report
 
     def after_optimizer_step(self, result: StepResult) -> SyncReport:
         started, self._started = self._started, None  # (evaluations and checkpoints between steps are not a step's)
@@ -181,33 +195,50 @@ class AutoSync(Wrapper):
         elif steps - self.decided_at >= self.check_every:
             drifted = self._drift()
             if drifted:
-                report += self._decide(steps, drifted)
+                report += self._decide(steps, *drifted)
             else:
                 self._restart(steps)
         return report
 
     # ---- deciding ------------------------------------------------------------------------------------------
-    def _drift(self) -> str | None:
-        """Collective: why the measured step time says to decide again (None: it does not)."""
+    def _recent_pace(self) -> float:
+        """This rank's pace: the median of its latest ``probe_steps`` steps without the exchange (the first after a
+        decision, which sets things up, left out; after a drift, the steps since the cluster changed)."""
+        warm = (self._pace[1:] or self._pace)[-self.probe_steps :]
+        return statistics.median(warm) if warm else 0.0
+
+    def _drift(self) -> tuple[str, Measured | None] | None:
+        """Collective: why the measured step time says to decide again (None: it does not), and the measurement to
+        decide by where the paces alone explain it: the paces measured since, with the links last measured, predict
+        the latest steps' time under the option running (within ``drift``). The links are then not probed again
+        (a slowed node, not a slowed link); else (None) the decision measures everything anew."""
         window = self._steps[1:] or self._steps  # (the first step after a decision sets things up: left out)
-        own = sum(window) / len(window) if window else 0.0
-        mine = torch.tensor([own], dtype=torch.float64, device=self.ctx.comm.device)
-        slowest = max(t.item() for t in self.ctx.comm.all_gather(mine))
+        recent = window[-self.probe_steps :]
+        own = [statistics.fmean(window) if window else 0.0, statistics.fmean(recent) if recent else 0.0]
+        mine = torch.tensor([*own, self._recent_pace()], dtype=torch.float64, device=self.ctx.comm.device)
+        gathered = [t.tolist() for t in self.ctx.comm.all_gather(mine)]
+        slowest = max(g[0] for g in gathered)
         if self.predicted_s is None:  # (resumed: the step time measured now is the reference from here on)
             self.predicted_s = slowest
             return None
         ratio = slowest / max(self.predicted_s, 1e-9)
-        if ratio >= self.drift or ratio <= 1 / self.drift:
-            return f"a step took {slowest:.3f} s, {ratio:.2f}x the {self.predicted_s:.3f} s predicted"
-        return None
+        if self.drift > ratio > 1 / self.drift:
+            return None
+        why = f"a step took {slowest:.3f} s, {ratio:.2f}x the {self.predicted_s:.3f} s predicted"
+        last = self._measured
+        if last is None or last.replicas != len(gathered) or self.key is None:
+            return why, None
+        now = dataclasses.replace(last, compute_s=tuple(g[2] for g in gathered))
+        expected, latest = step_seconds(self.candidates[self.key], now), max(g[1] for g in gathered)
+        if self.drift > latest / max(expected, 1e-9) > 1 / self.drift:
+            self._own_pace = self._recent_pace()
+            return f"{why}; the paces explain it (latest {latest:.3f} s, {expected:.3f} s by them)", now
+        return why, None
 
     def _measure(self) -> Measured:
         """Collective: what the decision needs, alike on every rank."""
         comm = self.ctx.comm
-        # (the latest probe_steps: the first after a decision, which sets things up, left out; at a decision after a
-        # drift, the steps since the cluster changed)
-        warm = (self._pace[1:] or self._pace)[-self.probe_steps :]
-        self._own_pace = statistics.median(warm) if warm else 0.0
+        self._own_pace = self._recent_pace()
         link, latency = comm.probe_links(self.probe_bytes), comm.probe_links(LATENCY_BYTES)
         own = torch.tensor([self._own_pace, link, latency], dtype=torch.float64, device=comm.device)
         compute, links, latencies = zip(*(t.tolist() for t in comm.all_gather(own)))  # (one collective for the three)
@@ -215,8 +246,10 @@ class AutoSync(Wrapper):
         shapes = tuple(tuple(p.shape) for p in self.model.parameters())
         return Measured(shapes, tuple(compute), tuple(links), self.probe_bytes, statistics.median(finite or [0.0]))
 
-    def _decide(self, steps: int, why: str) -> SyncReport:
-        measured = self._measure()
+    def _decide(self, steps: int, why: str, measured: Measured | None = None) -> SyncReport:
+        """Decide (``measured``: by these measurements, else by new ones), switch if the choice is another option,
+        and say so."""
+        measured = self._measured = measured or self._measure()
         choice = decide(self.candidates, self.ratios, measured, current=self.key or self.start, margin=self.margin)
         before = self.key
         if choice.key != before:
@@ -232,6 +265,7 @@ class AutoSync(Wrapper):
             and choice.predicted(choice.key).replicas < measured.replicas
         ):
             # (relaxed sync, chosen for whom it evicts: the pace just measured names them; its check, now)
+            self._evicting = choice.predicted(choice.key).replicas
             report += self.inner.check_now(self._own_pace, f"at step {steps}, as sync=auto chose it")
         return report
 
