@@ -1,8 +1,9 @@
 """sync=auto's model against bench/tta's recorded results: for each of bench/tta's clusters, the measurements its
 probe would take there, every candidate's predicted time to the target (relative to allreduce's) beside the time
-the runs took, and the choice. No run: it reads ``bench/results/tta.jsonl`` and prints a markdown table.
+the runs took, and the choice. No run: it reads sync=auto's steps ratios (``bench/results/tta_ratios.jsonl``) and
+bench/tta's table (``bench/results/tta.jsonl``: the times, and the pace) and prints a markdown table.
 
-    python -m bench.auto_model [--data bench/results/tta.jsonl]
+    python -m bench.auto_model [--data bench/results/tta_ratios.jsonl] [--runs bench/results/tta.jsonl]
 
 The clusters are bench/tta's (docs/benchmarks/tta.md): 4 nodes whose pace (a step without its exchange: what the
 probe measures) is the step of the data's ``sync=none`` cell at 100 Mbit (4 workers on 2 cores: 0.051 s in
@@ -18,12 +19,14 @@ from pathlib import Path
 
 from algorithms.auto import DATA
 from algorithms.auto.model import Measured, decide, read_step_ratios
+from bench.common import RESULTS, config
 
 NODES, BATCH = 4, 32  # bench/tta's cluster and a node's batch
 WIRE = 1.07  # TCP/IP and tbf's overhead over the link's rate
 PROBE = 1 << 18
 LATENCY_S = 0.0005
 MBIT = 1e6 / 8 / WIRE  # bytes a second of a megabit link, as the runs saw it
+RUNS = RESULTS / "tta.jsonl"  # bench/tta's table: every option once at each cluster, sync=none's pace among them
 
 
 def pace(records: list[dict]) -> float:
@@ -44,15 +47,13 @@ def clusters(shapes: tuple[tuple[int, ...], ...], pace_s: float) -> dict[str, Me
     }
 
 
-def table(data: Path) -> str:
+def table(data: Path, runs: Path = RUNS) -> str:
     import timm
-
-    from bench.common import config
 
     candidates = config(["sync=auto"])["sync"]["candidates"]
     shapes = tuple(tuple(p.shape) for p in timm.create_model("test_resnet", num_classes=10).parameters())
     ratios = read_step_ratios(data)
-    records = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in runs.read_text().splitlines() if line.strip()]
     lines = [
         "| scenario | candidate | predicted s/step | steps ratio | predicted time vs allreduce "
         "| recorded time vs allreduce |",
@@ -78,8 +79,10 @@ def table(data: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, default=DATA, help="bench/tta's results (tta.jsonl)")
-    print(table(parser.parse_args().data))
+    parser.add_argument("--data", type=Path, default=DATA, help="the steps ratios' bench/tta results")
+    parser.add_argument("--runs", type=Path, default=RUNS, help="the bench/tta results the times and pace are from")
+    args = parser.parse_args()
+    print(table(args.data, args.runs))
 
 
 if __name__ == "__main__":

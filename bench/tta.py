@@ -204,7 +204,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     workdir = Path(tempfile.mkdtemp(prefix="relaxsync-tta-"))
     if args.steps_data is None:  # (sync=auto's data: the results as they were, before this run rewrites them)
         args.steps_data = str(workdir / "steps-data.jsonl")
-        shutil.copyfile(RESULTS / "tta.jsonl", args.steps_data)
+        from algorithms.auto import DATA
+
+        shutil.copyfile(DATA, args.steps_data)
     rows = []
     common = [
         "experiment=tta", f"trainer.eval_every_steps={args.eval_every}",
@@ -450,7 +452,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help=f"comma-separated: {', '.join(ALGORITHMS)}")
     parser.add_argument("--relaxed", default=",".join(RELAXED), help="the uneven scenarios' relaxed-sync cells")
     parser.add_argument(
-        "--steps-data", help="sync=auto's steps ratios: a tta.jsonl (default: a copy of bench/results/tta.jsonl)"
+        "--steps-data", help="sync=auto's steps ratios: a bench/tta result file (default: a copy of sync=auto's own)"
     )
     parser.add_argument("--nodes", type=int, default=4, choices=(2, 3, 4))
     parser.add_argument("--target", type=float, default=95.0, help="validation top-1 (%%) to reach")

@@ -46,7 +46,7 @@ from algorithms.relaxed import EVICTED, RelaxedSync
 from distributed.membership import Change
 from errors import ConfigError, is_int, is_number, require
 
-DATA = Path(__file__).resolve().parents[2] / "bench" / "results" / "tta.jsonl"
+DATA = Path(__file__).resolve().parents[2] / "bench" / "results" / "tta_ratios.jsonl"
 LATENCY_BYTES = 8  # the exchange the latency is timed with
 
 

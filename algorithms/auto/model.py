@@ -258,15 +258,22 @@ def decide(
 ) -> Choice:
     """The candidate (by key: ``candidates`` maps keys to ``sync`` sections) predicted to reach the target first,
     and every candidate's prediction. A candidate without a steps ratio in ``ratios`` is skipped; relaxed sync only
-    where it would evict, or where it runs. ``current`` (the option running) is kept unless another is predicted
-    faster by ``margin`` (so that measurement noise does not make the run switch back and forth)."""
+    where it would evict, or where it runs (where it would evict nobody, with its option's steps ratio: the data's
+    own for relaxed sync counts the steps its eviction cost, which are spent). ``current`` (the option running) is
+    kept unless another is predicted faster by ``margin`` (so that measurement noise does not make the run switch
+    back and forth)."""
     predictions = []
     for key, section in candidates.items():
         if key not in ratios:
             continue
-        if _evicts(section) is not None and len(kept(section, measured)) == measured.replicas and key != current:
-            continue  # (relaxed sync where it would evict nobody; the one running stays a candidate: it evicted)
-        predictions.append(Prediction(key, step_seconds(section, measured), ratios[key], len(kept(section, measured))))
+        ratio, replicas = ratios[key], len(kept(section, measured))
+        if _evicts(section) is not None and replicas == measured.replicas:
+            if key != current:
+                continue  # (relaxed sync where it would evict nobody; the one running stays a candidate: it evicted)
+            # (and trains on as its option alone: that option's steps ratio, not the one its eviction cost)
+            inner = next((k for k, s in candidates.items() if s == section["inner"] and k in ratios), key)
+            ratio = ratios[inner]
+        predictions.append(Prediction(key, step_seconds(section, measured), ratio, replicas))
     if not predictions:
         raise ValueError(f"no candidate of {sorted(candidates)} has a steps ratio in the data ({sorted(ratios)})")
     best = min(predictions, key=lambda p: p.score)
