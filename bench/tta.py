@@ -117,7 +117,9 @@ SWEEP: dict[str, tuple[str, list[str]]] = {
 
 def time_to_target(metrics: list[dict[str, Any]], target: float) -> dict[str, Any]:
     """What a run's records say about reaching ``target`` top-1: the training clock starts when the first step
-    starts and leaves every evaluation's own seconds out."""
+    starts and leaves every evaluation's own seconds out, but what the logging rank waited in it for the slowest
+    (``wait_s``): evaluations every few steps are barriers, and an option that exchanges every k steps would wait
+    that long at its next exchange without them (a straggler's cost, else hidden in the evaluations)."""
     train = [r for r in metrics if r["kind"] == "train"]
     evals = [r for r in metrics if r["kind"] == "eval"]
     if not train or not evals:
@@ -125,7 +127,7 @@ def time_to_target(metrics: list[dict[str, Any]], target: float) -> dict[str, An
     start = train[0]["time"] - train[0]["step_s"]
     curve, spent = [], 0.0
     for e in evals:
-        spent += e["eval_s"]
+        spent += e["eval_s"] - e.get("wait_s", 0.0)
         curve.append({"step": e["step"], "epoch": e["epoch"], "top1": e["top1"], "s": e["time"] - start - spent})
     hit = next((c for c in curve if c["top1"] >= target), None)
     to = [r for r in train if hit is None or r["step"] < hit["step"]]

@@ -107,6 +107,9 @@ class Evaluation:
         ``replicas`` that differ (gossip), also each replica's own accuracy before they are brought together
         (``settle()``, or on the side their average on a copy)."""
         start = time.perf_counter()
+        if self.evaluator.comm.size > 1:  # (what this rank waits here for the slowest is training's: see wait_s)
+            self.evaluator.comm.barrier()
+        waited = time.perf_counter() - start
         extra = {}
         if replicas:
             replica = self.evaluator.measure(model, loader)
@@ -125,7 +128,10 @@ class Evaluation:
             "top5": whole["top5"],
             "num_samples": int(whole["count"]),
             **extra,
-            "eval_s": time.perf_counter() - start,  # (time-to-accuracy measures leave it out)
+            "eval_s": time.perf_counter() - start,  # (time-to-accuracy measures leave it out, but for wait_s)
+            # The part of it this rank waited for the slowest to reach the evaluation: an option that exchanges
+            # every k steps waits so at its next exchange when nothing evaluates in between; it is training time
+            "wait_s": waited,
         }
         if on_the_side:
             result["on_the_side"] = True

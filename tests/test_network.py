@@ -160,6 +160,10 @@ def test_time_to_target_leaves_evaluations_out_of_the_clock_and_counts_bytes_up_
     assert [c["s"] for c in out["curve"]] == pytest.approx([2.0, 4.0, 6.0])
     never = time_to_target(metrics, target=95.0)
     assert not never["reached"] and never["seconds"] is None and never["mb_per_node"] == pytest.approx(600.0)
+    # What the logging rank waited in an evaluation for the slowest (an option exchanging every k steps would wait
+    # it at its next exchange) is training time: 0.25 s of each evaluation's 0.5 counted in.
+    waited = [{**r, "wait_s": 0.25} if r["kind"] == "eval" else r for r in metrics]
+    assert [c["s"] for c in time_to_target(waited, target=80.0)["curve"]] == pytest.approx([2.25, 4.5, 6.75])
 
 
 def test_with_processes_per_node_each_cell_runs_at_both_scopes_with_the_nodes_batch_split():

@@ -376,3 +376,16 @@ def test_evaluations_on_the_side_leave_training_as_it_was_and_a_reached_target_e
     (summary,) = records(metrics["target"], "summary")
     assert summary["finished"] and summary["reached_target"] and summary["steps"] == 3
     assert [e["step"] for e in records(metrics["target"], "eval")] == [3]
+
+
+def test_an_evaluation_records_what_the_logging_rank_waited_in_it_for_the_slowest(tmp_path):
+    """Evaluations every few steps are barriers: under local SGD k=16 (nothing exchanged in these 4 steps) rank 0
+    waits in each for rank 1, which sleeps 0.2 s a step. ``wait_s`` says so, a part of ``eval_s``: time that the
+    exchange at step 16 would have waited without them, which bench/tta counts as training."""
+    _, metrics = train(
+        tmp_path, *FAST, "trainer.nproc=2", "sync=localsgd", "sync.begin_step=0", "sync.k_steps=16",
+        "trainer.max_steps=4", "trainer.eval_every_steps=2", "trainer.checkpoint_every=0", "straggler=sleep",
+        "straggler.ranks=[1]", "straggler.start_epoch=1", "straggler.sleep_s=0.2",
+    )  # fmt: skip
+    side = [e for e in records(metrics, "eval") if e.get("on_the_side")]
+    assert side and all(0.2 <= e["wait_s"] <= e["eval_s"] for e in side), side  # (two steps' sleeps: 0.4 s)
