@@ -278,6 +278,12 @@ def test_a_step_time_that_drifts_from_the_prediction_decides_again():
     auto.ctx = SimpleNamespace(comm=_Gathers([(0.010, 0.010, 0.008)]))
     auto._steps = [0.5, 0.010, 0.010]  # faster than predicted by 4x (a straggler left)
     assert "0.25x" in auto._drift()[0]
+    # A rank slowed 3x in the window's last 2 of 9 steps: its mean, 1.4x, does not cross 1.5x; its latest 3 steps'
+    # median (0.120 s, 3x) does.
+    auto._steps = [0.5] + [0.040] * 7 + [0.120] * 2  # (this rank's; the other's as predicted)
+    auto.ctx = SimpleNamespace(comm=_Gathers([(0.041, 0.041, 0.035)]))
+    assert sum(auto._steps[1:]) / 9 / 0.040 < 1.5
+    assert "3.00x the 0.040 s predicted" in auto._drift()[0]
 
 
 def test_a_drift_the_paces_explain_is_decided_without_probing_the_links():

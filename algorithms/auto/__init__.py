@@ -16,9 +16,10 @@ faster by ``margin``:
   left out: it rebuilt what the change asked for), but for the eviction a decision chose relaxed sync for: that
   decision predicted the ranks kept;
 - every ``check_every`` steps, when the measured seconds per step (the slowest rank's mean, its data and the step to
-  the end of its exchange, over the steps since the last decision) are ``drift`` times the predicted ones or
-  more, or less than their ``1 / drift``. Where the paces measured since explain the latest steps' time under the
-  option running, with the links as last measured, it decides by them without probing the links again;
+  the end of its exchange, over the steps since the last decision, or the median of its latest ``probe_steps``
+  steps where that is longer) are ``drift`` times the predicted ones or more, or less than their ``1 / drift``.
+  Where the paces measured since explain the latest steps' time under the option running, with the links as last
+  measured, it decides by them without probing the links again;
 - after a join, or a resume at another size (the state it loads was decided for another number of replicas).
 
 A switch drains the option running, averages the replicas (parameters, floating-point buffers and, where the next
@@ -214,13 +215,15 @@ class AutoSync(Wrapper):
         (a slowed node, not a slowed link); else (None) the decision measures everything anew."""
         window = self._steps[1:] or self._steps  # (the first step after a decision sets things up: left out)
         recent = window[-self.probe_steps :]
-        own = [statistics.fmean(window) if window else 0.0, statistics.fmean(recent) if recent else 0.0]
+        own = [statistics.fmean(window) if window else 0.0, statistics.median(recent) if recent else 0.0]
         mine = torch.tensor([*own, self._recent_pace()], dtype=torch.float64, device=self.ctx.comm.device)
         gathered = [t.tolist() for t in self.ctx.comm.all_gather(mine)]
-        slowest = max(g[0] for g in gathered)
         if self.predicted_s is None:  # (resumed: the step time measured now is the reference from here on)
-            self.predicted_s = slowest
+            self.predicted_s = max(g[0] for g in gathered)
             return None
+        # (the window's mean counts an exchange every k steps; the latest steps' median sees a change late in the
+        # window, a straggler that appeared two steps ago, which the mean dilutes)
+        slowest = max(max(g[0], g[1]) for g in gathered)
         ratio = slowest / max(self.predicted_s, 1e-9)
         if self.drift > ratio > 1 / self.drift:
             return None
