@@ -250,7 +250,7 @@ def test_relaxed_sync_chosen_for_a_straggler_evicts_it_at_once(tmp_path):
 
 
 class _Gathers:
-    """What ``_drift`` asks of the communicator: an all-gather of each rank's (mean step, latest steps' mean, pace);
+    """What ``_drift`` asks of the communicator: an all-gather of each rank's (mean step, latest steps' median, pace);
     here the others' are given."""
 
     device = "cpu"

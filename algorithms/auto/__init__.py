@@ -229,7 +229,7 @@ class AutoSync(Wrapper):
             return None
         why = f"a step took {slowest:.3f} s, {ratio:.2f}x the {self.predicted_s:.3f} s predicted"
         last = self._measured
-        if last is None or last.replicas != len(gathered) or self.key is None:
+        if last is None or last.replicas != len(gathered):  # (not of these ranks: measure anew)
             return why, None
         now = dataclasses.replace(last, compute_s=tuple(g[2] for g in gathered))
         expected, latest = step_seconds(self.candidates[self.key], now), max(g[1] for g in gathered)
