@@ -4,6 +4,7 @@ the runs took, and the choice. No run: it reads sync=auto's steps ratios (``benc
 bench/tta's table (``bench/results/tta.jsonl``: the times, and the pace) and prints a markdown table.
 
     python -m bench.auto_model [--data bench/results/tta_ratios.jsonl] [--runs bench/results/tta.jsonl]
+    python -m bench.auto_model --links 10000,1000,100,10   # the choice at each link rate, every node alike
 
 The clusters are bench/tta's (docs/benchmarks/tta.md): 4 nodes whose pace (a step without its exchange: what the
 probe measures) is the step of the data's ``sync=none`` cell at 100 Mbit (4 workers on 2 cores: 0.051 s in
@@ -27,6 +28,7 @@ PROBE = 1 << 18
 LATENCY_S = 0.0005
 MBIT = 1e6 / 8 / WIRE  # bytes a second of a megabit link, as the runs saw it
 RUNS = RESULTS / "tta.jsonl"  # bench/tta's table: every option once at each cluster, sync=none's pace among them
+LINKS = (100_000.0, 10_000.0, 1000.0, 500.0, 200.0, 100.0, 50.0, 20.0, 10.0)  # --links' default sweep, megabit/s
 
 
 def pace(records: list[dict]) -> float:
@@ -77,12 +79,53 @@ def table(data: Path, runs: Path = RUNS) -> str:
     return "\n".join(lines + [""] + chosen)
 
 
+def by_link(
+    data: Path, runs: Path = RUNS, mbits: tuple[float, ...] = LINKS
+) -> list[tuple[float, list[tuple[str, float]]]]:
+    """On bench/tta's 4 even nodes with every link at each of ``mbits`` megabit/s: the candidates, the chosen first,
+    each with its predicted time to the target over the chosen one's."""
+    import timm
+
+    candidates = config(["sync=auto"])["sync"]["candidates"]
+    shapes = tuple(tuple(p.shape) for p in timm.create_model("test_resnet", num_classes=10).parameters())
+    ratios = read_step_ratios(data)
+    pace_s = pace([json.loads(line) for line in runs.read_text().splitlines() if line.strip()])
+    rows = []
+    for mbit in mbits:
+        links = tuple(LATENCY_S + PROBE / (mbit * MBIT) for _ in range(NODES))
+        choice = decide(candidates, ratios, Measured(shapes, (pace_s,) * NODES, links, PROBE, LATENCY_S))
+        best = choice.predicted(choice.key).score
+        others = sorted((p for p in choice.predictions if p.key != choice.key), key=lambda p: p.score)
+        rows.append((mbit, [(choice.key, 1.0)] + [(p.key, p.score / best) for p in others]))
+    return rows
+
+
+def links_table(data: Path, runs: Path = RUNS, mbits: tuple[float, ...] = LINKS) -> str:
+    """:func:`by_link` as a markdown table: the chosen option and the next three, by predicted time over its."""
+    lines = ["| every link | chosen | then (predicted time over the chosen's) |", "|---|---|---|"]
+    for mbit, ranked in by_link(data, runs, mbits):
+        rate = f"{mbit / 1000:g} Gbit" if mbit >= 1000 else f"{mbit:g} Mbit"
+        then = ", ".join(f"{key} {ratio:.2f}x" for key, ratio in ranked[1:4])
+        lines.append(f"| {rate} | {ranked[0][0]} | {then} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=DATA, help="the steps ratios' bench/tta results")
     parser.add_argument("--runs", type=Path, default=RUNS, help="the bench/tta results the times and pace are from")
+    parser.add_argument(
+        "--links",
+        default=None,
+        metavar="MBIT,...",
+        help="instead: the choice on 4 even nodes at each of these link rates (megabit/s; '' for the default sweep)",
+    )
     args = parser.parse_args()
-    print(table(args.data, args.runs))
+    if args.links is None:
+        print(table(args.data, args.runs))
+    else:
+        mbits = tuple(float(m) for m in args.links.split(",") if m.strip()) or LINKS
+        print(links_table(args.data, args.runs, mbits))
 
 
 if __name__ == "__main__":

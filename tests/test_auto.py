@@ -118,6 +118,27 @@ def test_the_choice_on_measured_clusters(compute_s, bandwidth, expected):
     assert choice.key == best.key or best.score * 1.1 > held.score  # (kept within the margin only)
 
 
+def test_bench_auto_model_ranks_the_candidates_at_each_link_rate():
+    """bench/auto_model --links: at each rate the model's own choice first, the others by predicted time over it;
+    the traffic that slower links price makes the choice send fewer bytes as the rate falls."""
+    from bench.auto_model import by_link
+
+    rows = by_link(DATA, RUNS, (10_000.0, 1000.0, 100.0, 10.0))
+    assert [mbit for mbit, _ in rows] == [10_000.0, 1000.0, 100.0, 10.0]
+    shapes, candidates, ratios = _tta_shapes(), _candidates(), read_step_ratios(DATA)
+    # (even nodes: relaxed sync would evict nobody, so it is no candidate)
+    priced = {k for k in candidates if k in ratios and not k.startswith("relaxed")}
+    sent = []
+    for _, ranked in rows:
+        assert ranked[0][1] == 1.0 and all(r >= 1.0 for _, r in ranked[1:])
+        assert [r for _, r in ranked[1:]] == sorted(r for _, r in ranked[1:])
+        assert {k for k, _ in ranked} == priced
+        sent.append(traffic(candidates[ranked[0][0]], shapes).bytes_sent(4))
+    assert sent == sorted(sent, reverse=True) and sent[-1] < sent[0]
+    # and the rate the model prices most: at 10 Mbit local SGD k=16's averaging costs it over 3x streaming DiLoCo's
+    assert dict(rows[-1][1])["localsgd16"] > 3
+
+
 def test_relaxed_candidates_only_where_they_would_evict():
     candidates, ratios = _candidates(), read_step_ratios(DATA)
     even = _cluster([0.038] * 4, 117e6)
