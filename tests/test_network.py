@@ -217,9 +217,12 @@ def test_time_to_accuracy_miniature_two_algorithms_on_two_nodes(tmp_path):
     from bench import tta
 
     argv = ["--nodes", "2", "--scenarios", "1gbit", "--algorithms", "allreduce,localsgd4", "--target", "20",
-            "--eval-every", "2", "--max-steps", "80", "--sweep", "", "--out", str(tmp_path)]  # fmt: skip
+            "--eval-every", "2", "--max-steps", "80", "--sweep", "localsgd16", "--sweep-epochs", "1",
+            "--out", str(tmp_path)]  # fmt: skip
     assert tta.main(argv) == 0
     rows = [json.loads(line) for line in (tmp_path / "tta.jsonl").read_text().splitlines()]
+    sweep = rows.pop()  # (the period sweep runs last, without a target: one epoch of local SGD k=16)
+    assert sweep["scenario"] == "sweep" and sweep["algorithm"] == "localsgd16" and sweep["trained_steps"] > 0, sweep
     assert [r["algorithm"] for r in rows] == ["allreduce", "localsgd4"]
     for r in rows:
         assert r["reached"] and r["steps"] % 2 == 0 and 0 < r["seconds"] < r["wall_s"], r
