@@ -97,7 +97,7 @@ bench-faults: $(STAMP) ## (root) a dead node, a hung one, SIGTERM, a node joinin
 bench-soak: $(STAMP) ## (~70 min) failures that keep coming (kill, hang, a join in each one's place) until 1000 are survived
 	$(PY) -m bench.soak $(ARGS)
 
-bench-tta: $(STAMP) ## (root) time to a target top-1 per sync option on slow and uneven emulated clusters (~32 min)
+bench-tta: $(STAMP) ## (root) time to a target top-1 per sync option on slow and uneven emulated clusters (~34 min)
 	$(PY) -m bench.tta $(ARGS)
 
 bench-membership: $(STAMP) ## the failure agreement simulated at 64, 256, 1024 ranks on one store: agreement s, store calls/s

@@ -7,7 +7,7 @@ bench/tta's table (``bench/results/tta.jsonl``: the times, and the pace) and pri
     python -m bench.auto_model --links 10000,1000,100,10   # the choice at each link rate, every node alike
 
 The clusters are bench/tta's (docs/benchmarks/tta.md): 4 nodes whose pace (a step without its exchange: what the
-probe measures) is the step of the data's ``sync=none`` cell at 100 Mbit (4 workers on 2 cores: 0.051 s in
+probe measures) is the step of the data's ``sync=none`` cell at 100 Mbit (4 workers on 2 cores: 0.043 s in
 bench/results/tta.jsonl), links of 100 Mbit or 1 Gbit through TCP/IP and tbf (1.07x slower than their rate), and the
 uneven one: 1 Gbit with the last node at 100 Mbit and rank 1 computing 3x slower.
 """

@@ -1,7 +1,7 @@
 """Time to accuracy on emulated clusters (needs root): which sync option reaches a validation top-1 first, and at
 what cost in bytes, on the same runs.
 
-    sudo make bench-tta   # python -m bench.tta with its defaults: 4 nodes, 3 scenarios, the period sweep; ~32 min
+    sudo make bench-tta   # python -m bench.tta with its defaults: 4 nodes, 3 scenarios, the period sweep; ~34 min
     python -m bench.tta [--scenarios fleet,1gbit,uneven] [--algorithms allreduce,dgc,...] [--relaxed ...]
                         [--target 95] [--eval-every 2] [--epochs 25] [--sweep localsgd1,...] [--sweep-epochs 8]
     python -m bench.tta --report bench/results      # redraw the tables and plots from a run's records
