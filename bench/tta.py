@@ -424,12 +424,15 @@ def plot(rows: list[dict[str, Any]], out: Path, name: str = "tta") -> list[Path]
                 continue
             target = r["target"]
             xs, ys = [c["s"] for c in r["curve"]], [c["top1"] for c in r["curve"]]
-            style = {"color": "black", "linewidth": 2.5} if r["algorithm"] == "none" else {}
-            dashed = "--" if "relaxed" in r["algorithm"] else "-"
-            ax.plot(xs, ys, marker=".", linestyle=dashed, label=r["name"], **style)
+            style = {  # (the floor, and sync=auto, which the colour cycle would give allreduce's colour)
+                "none": {"color": "black", "linewidth": 2.5},
+                AUTO: {"color": "black", "linewidth": 2.0, "linestyle": "-."},
+            }.get(r["algorithm"], {})
+            style.setdefault("linestyle", "--" if "relaxed" in r["algorithm"] else "-")
+            ax.plot(xs, ys, marker=".", label=r["name"], **style)
         if target is not None:
             ax.axhline(target, color="grey", linewidth=1, linestyle=":", label=f"target {target:g}%")
-        ax.set_xlabel("training seconds (evaluations left out)")
+        ax.set_xlabel("training seconds (evaluations left out, but for their waits for the slowest rank)")
         ax.set_ylabel("validation top-1 (%)")
         ax.set_title(f"time to accuracy: {label(scenario)}", fontsize=10)
         ax.grid(True, alpha=0.3)
