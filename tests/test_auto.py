@@ -135,8 +135,9 @@ def test_bench_auto_model_ranks_the_candidates_at_each_link_rate():
         assert {k for k, _ in ranked} == priced
         sent.append(traffic(candidates[ranked[0][0]], shapes).bytes_sent(4))
     assert sent == sorted(sent, reverse=True) and sent[-1] < sent[0]
-    # and the rate the model prices most: at 10 Mbit local SGD k=16's averaging costs it over 3x streaming DiLoCo's
-    assert dict(rows[-1][1])["localsgd16"] > 3
+    # and the rate the model prices most: at 10 Mbit local SGD k=16's averaging costs it several times streaming
+    # DiLoCo's time (3.7x at the recorded pace), which overlaps its int8 fragments with the compute
+    assert rows[-1][1][0][0] == "streaming" and dict(rows[-1][1])["localsgd16"] > 2
 
 
 def test_relaxed_candidates_only_where_they_would_evict():
