@@ -37,25 +37,33 @@ def pace(records: list[dict]) -> float:
     return NODES * BATCH / none["samples_per_s"]
 
 
-def clusters(shapes: tuple[tuple[int, ...], ...], pace_s: float) -> dict[str, Measured]:
-    def measured(compute: list[float], mbit: list[float]) -> Measured:
-        links = tuple(LATENCY_S + PROBE / (m * MBIT) for m in mbit)
-        return Measured(shapes, tuple(compute), links, PROBE, LATENCY_S)
+def cluster(shapes: tuple[tuple[int, ...], ...], compute: list[float], mbit: list[float]) -> Measured:
+    """What the probe would measure on nodes computing ``compute`` seconds a step behind links of ``mbit``."""
+    links = tuple(LATENCY_S + PROBE / (m * MBIT) for m in mbit)
+    return Measured(shapes, tuple(compute), links, PROBE, LATENCY_S)
 
+
+def clusters(shapes: tuple[tuple[int, ...], ...], pace_s: float) -> dict[str, Measured]:
     return {
-        "fleet": measured([pace_s] * NODES, [100] * NODES),
-        "1gbit": measured([pace_s] * NODES, [1000] * NODES),
-        "uneven": measured([pace_s, 3 * pace_s, pace_s, pace_s], [1000] * 3 + [100]),
+        "fleet": cluster(shapes, [pace_s] * NODES, [100] * NODES),
+        "1gbit": cluster(shapes, [pace_s] * NODES, [1000] * NODES),
+        "uneven": cluster(shapes, [pace_s, 3 * pace_s, pace_s, pace_s], [1000] * 3 + [100]),
     }
 
 
-def table(data: Path, runs: Path = RUNS) -> str:
+def inputs(data: Path, runs: Path) -> tuple[dict, tuple[tuple[int, ...], ...], dict[str, float], list[dict]]:
+    """sync=auto's candidates, bench/tta's model's tensor shapes, the steps ratios of ``data``, the records of
+    ``runs``."""
     import timm
 
     candidates = config(["sync=auto"])["sync"]["candidates"]
     shapes = tuple(tuple(p.shape) for p in timm.create_model("test_resnet", num_classes=10).parameters())
-    ratios = read_step_ratios(data)
     records = [json.loads(line) for line in runs.read_text().splitlines() if line.strip()]
+    return candidates, shapes, read_step_ratios(data), records
+
+
+def table(data: Path, runs: Path = RUNS) -> str:
+    candidates, shapes, ratios, records = inputs(data, runs)
     lines = [
         "| scenario | candidate | predicted s/step | steps ratio | predicted time vs allreduce "
         "| recorded time vs allreduce |",
@@ -84,16 +92,11 @@ def by_link(
 ) -> list[tuple[float, list[tuple[str, float]]]]:
     """On bench/tta's 4 even nodes with every link at each of ``mbits`` megabit/s: the candidates, the chosen first,
     each with its predicted time to the target over the chosen one's."""
-    import timm
-
-    candidates = config(["sync=auto"])["sync"]["candidates"]
-    shapes = tuple(tuple(p.shape) for p in timm.create_model("test_resnet", num_classes=10).parameters())
-    ratios = read_step_ratios(data)
-    pace_s = pace([json.loads(line) for line in runs.read_text().splitlines() if line.strip()])
+    candidates, shapes, ratios, records = inputs(data, runs)
+    pace_s = pace(records)
     rows = []
     for mbit in mbits:
-        links = tuple(LATENCY_S + PROBE / (mbit * MBIT) for _ in range(NODES))
-        choice = decide(candidates, ratios, Measured(shapes, (pace_s,) * NODES, links, PROBE, LATENCY_S))
+        choice = decide(candidates, ratios, cluster(shapes, [pace_s] * NODES, [mbit] * NODES))
         best = choice.predicted(choice.key).score
         others = sorted((p for p in choice.predictions if p.key != choice.key), key=lambda p: p.score)
         rows.append((mbit, [(choice.key, 1.0)] + [(p.key, p.score / best) for p in others]))
