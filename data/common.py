@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import importlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,12 @@ CPU = torch.device("cpu")
 class DataBundle:
     """A dataset's two splits and what the loaders need to know of their samples: ``(image, label)`` pairs, the
     image CHW. With ``uint8``, images are uint8 pixels (0-255) that the loaders normalize on the device by ``mean``
-    and ``std`` (per channel, of pixels scaled to [0, 1]); without, float images already normalized."""
+    and ``std`` (per channel, of pixels scaled to [0, 1]); without, float images already normalized.
+
+    ``decode`` (image files, ``data.imagefolder``): where they are decoded, ``auto`` (on the device where it is a
+    GPU), ``cpu`` (by the loaders' workers) or ``gpu``; such datasets collate with their ``collate_fn``, take
+    ``(index, seed, epoch)`` items for training (their augmentation drawn per sample) and give the loaders a
+    ``stage(transfer)`` that makes a batch the model's input."""
 
     train: Dataset
     val: Dataset
@@ -32,6 +38,7 @@ class DataBundle:
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
     uint8: bool = False
+    decode: str | None = None
 
     def __post_init__(self) -> None:
         if self.uint8:
@@ -68,10 +75,14 @@ class TrainSampler(Sampler[int]):
     (:func:`steps_per_epoch`). ``skip`` starts part-way through an epoch (resume from a mid-epoch checkpoint): the
     samples any number of ranks consumed in ``s`` full steps are a prefix of the permutation, so skipping that prefix
     and sharding the rest continues the epoch exactly, at the same world size or another one.
+
+    With ``keyed``, it yields ``(index, seed, epoch)``: what a dataset that draws each sample's augmentation from its
+    own generator (``data.images.sample_rng``) draws it from, so that a sample's crop does not depend on the ranks,
+    the workers or a resume.
     """
 
-    def __init__(self, length: int, num_replicas: int, rank: int, seed: int):
-        self.length, self.num_replicas, self.rank, self.seed = length, num_replicas, rank, seed
+    def __init__(self, length: int, num_replicas: int, rank: int, seed: int, keyed: bool = False):
+        self.length, self.num_replicas, self.rank, self.seed, self.keyed = length, num_replicas, rank, seed, keyed
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -85,9 +96,11 @@ class TrainSampler(Sampler[int]):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(self.length, generator=g)[self.start :][self.rank :: self.num_replicas].tolist()
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int, int]]:
         indices = self.shard()
         self.start = 0
+        if self.keyed:
+            return iter([(i, self.seed, self.epoch) for i in indices])
         return iter(indices)
 
     def __len__(self) -> int:
@@ -137,13 +150,16 @@ def train_loader(
     seed: int,
     device: torch.device = CPU,
 ) -> DataLoader:
-    sampler = TrainSampler(len(dataset), num_replicas=num_replicas, rank=rank, seed=seed)
+    """The training loader: shuffled shards (:class:`TrainSampler`, keyed for a dataset of image files), full
+    batches, collated by the dataset's ``collate_fn`` if it has one."""
+    keyed = hasattr(dataset, "collate_fn")
+    sampler = TrainSampler(len(dataset), num_replicas=num_replicas, rank=rank, seed=seed, keyed=keyed)
     return DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
         drop_last=True,  # every step has a full batch on every rank
-        collate_fn=default_collate,
+        collate_fn=getattr(dataset, "collate_fn", default_collate),
         **loader_options(device, num_workers),
     )
 
@@ -161,7 +177,7 @@ def val_loader(
         batch_size=batch_size,
         sampler=ShardSampler(len(dataset), num_replicas, rank),
         drop_last=False,
-        collate_fn=default_collate,
+        collate_fn=getattr(dataset, "collate_fn", default_collate),
         **loader_options(device, num_workers),
     )
 
@@ -187,6 +203,11 @@ class Loaders:
     Batches are collated by torch's ``default_collate``, which keeps uint8 images uint8 (as timm's ``fast_collate``
     does) and, in a worker, stacks them straight into shared memory: measured faster than ``fast_collate``, whose
     batch is copied there again on its way to this process.
+
+    Image files (``DataBundle.decode``) are decoded on the device when ``decode`` (by default the bundle's) is
+    ``gpu``, or ``auto`` on a CUDA device: their datasets then hand JPEGs over undecoded, and a thread of this
+    process decodes each batch (the datasets' ``stage``) one batch ahead. ``decode=gpu`` on a CPU device runs the
+    same code on the CPU (what the tests exercise). :meth:`take_skipped` returns the files skipped so far.
     """
 
     def __init__(
@@ -197,23 +218,37 @@ class Loaders:
         seed: int,
         device: torch.device = CPU,
         channels_last: bool = False,
+        decode: str | None = None,
     ):
         self.data, self.batch_size, self.seed, self.device = data, batch_size, seed, torch.device(device)
         self.num_workers = resolve_num_workers(num_workers)
         self.transfer = DeviceTransfer(self.device, data.mean, data.std, data.uint8, channels_last)
+        decode = decode or data.decode
+        self.on_device = decode == "gpu" or (decode == "auto" and self.device.type == "cuda")
+        self.stages: dict[str, Callable[[Any], tuple[torch.Tensor, torch.Tensor]] | None] = {}
+        for name in ("train", "val"):
+            dataset = getattr(data, name)
+            if hasattr(dataset, "encoded"):
+                dataset.encoded = self.on_device  # (before any worker starts: they take the dataset as it is)
+            self.stages[name] = dataset.stage(self.transfer) if hasattr(dataset, "stage") else None
+        self.skipped: collections.deque[tuple[str, str]] = collections.deque()  # (appended to by the threads)
+        self.skipped_taken = 0
         self.train: PrefetchLoader | None = None
         self.val: PrefetchLoader | None = None
         self.steps_per_epoch = 0
+
+    def _prefetch(self, loader: DataLoader, name: str) -> PrefetchLoader:
+        return PrefetchLoader(loader, self.transfer, self.stages[name], self.skipped, threaded=self.on_device)
 
     def build(self, num_replicas: int, rank: int, train: bool = True) -> None:
         """Shard the validation set (and, if ``train``, the training set) over ``num_replicas`` ranks."""
         workers, device = self.num_workers, self.device
         if train:
             loader = train_loader(self.data.train, self.batch_size, workers, num_replicas, rank, self.seed, device)
-            self.train = PrefetchLoader(loader, self.transfer)
+            self.train = self._prefetch(loader, "train")
             self.steps_per_epoch = steps_per_epoch(len(self.data.train), num_replicas, self.batch_size)
         loader = val_loader(self.data.val, self.batch_size, workers, num_replicas, rank, device)
-        self.val = PrefetchLoader(loader, self.transfer)
+        self.val = self._prefetch(loader, "val")
 
     def start_epoch(self, epoch: int, skip: int = 0) -> None:
         """The training permutation of epoch ``epoch``, without its first ``skip`` samples (trained on already)."""
@@ -221,12 +256,25 @@ class Loaders:
         if skip:
             self.train.sampler.skip(skip)
 
+    def take_skipped(self) -> list[tuple[str, str]]:
+        """The files skipped (``data.on_bad_file=skip``) since the last call: ``(path, why)`` each."""
+        taken = []
+        while self.skipped:
+            taken.append(self.skipped.popleft())
+        self.skipped_taken += len(taken)
+        return taken
+
+    def skipped_count(self) -> int:
+        """The files this rank's loaders skipped so far, taken or not."""
+        return self.skipped_taken + len(self.skipped)
+
     def example_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch_size`` copies of the first training sample and its label, ready as the loaders yield a batch (on
         the device, float32, normalized, in their memory format): for a pass whose result is thrown away (a warm-up).
         Draws from the random generators the training transforms draw from; needs no :meth:`build`."""
-        x, y = self.data.train[0]
-        x = torch.as_tensor(x)
-        return self.transfer(
-            x.unsqueeze(0).expand(batch_size, *x.shape).contiguous(), torch.full((batch_size,), int(y))
-        )
+        sample, stage = self.data.train[0], self.stages["train"]
+        if stage is not None:
+            return stage(self.data.train.collate_fn([sample] * batch_size))
+        x, y = sample
+        x = torch.as_tensor(x).unsqueeze(0).expand(batch_size, *torch.as_tensor(x).shape).contiguous()
+        return self.transfer(x, torch.full((batch_size,), int(y)))

@@ -16,7 +16,10 @@ instead of ``record_stream``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import collections
+import queue
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from typing import Any
 
@@ -70,11 +73,30 @@ class DeviceTransfer:
 
 
 class PrefetchLoader:
-    """A ``DataLoader`` whose batches arrive through :class:`DeviceTransfer`, one batch ahead. ``sampler``,
-    ``dataset``, ``batch_size`` and ``len()`` are the loader's; ``loader`` is the loader itself."""
+    """A ``DataLoader`` whose batches arrive through ``stage`` (by default :class:`DeviceTransfer` of ``(x, y)``),
+    one batch ahead. ``sampler``, ``dataset``, ``batch_size`` and ``len()`` are the loader's; ``loader`` is the
+    loader itself. Files a batch skipped (its ``skipped``) are appended to ``skipped``.
 
-    def __init__(self, loader: DataLoader, transfer: DeviceTransfer):
+    ``threaded`` (a stage that decodes, ``data.imagefolder.FileStage``): the stage runs in a thread of its own, on
+    the side stream, ``AHEAD`` batches ahead, while this thread trains (the decode blocks the host it runs on, and
+    on a GPU the trainer's thread waits for every step's end); the batches come with an event the compute stream
+    waits for. Without, the stage is issued from the trainer's thread before the batch before it is handed over.
+    """
+
+    AHEAD = 2  # batches a thread stages ahead of the one training
+
+    def __init__(
+        self,
+        loader: DataLoader,
+        transfer: DeviceTransfer,
+        stage: Callable[[Any], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        skipped: Any = None,
+        threaded: bool = False,
+    ):
         self.loader, self.transfer = loader, transfer
+        self.stage = stage or (lambda batch: transfer(*batch))
+        self.skipped = skipped if skipped is not None else collections.deque()
+        self.threaded = threaded
 
     @property
     def sampler(self) -> Any:
@@ -91,17 +113,25 @@ class PrefetchLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def _staged(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.stage(batch)
+        self.skipped.extend(getattr(batch, "skipped", ()))
+        return out
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         transfer, stream = self.transfer, self.transfer.side_stream()
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(transfer.device))  # (what was queued before: the scale)
+        if self.threaded:
+            yield from self._from_thread(stream)
+            return
         on_side = (lambda: torch.cuda.stream(stream)) if stream is not None else nullcontext
 
         def issue(batch: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
             if batch is None:
                 return None
             with on_side():
-                return transfer(*batch)
+                return self._staged(batch)
 
         batches = iter(self.loader)
         ahead = issue(next(batches, None))
@@ -114,3 +144,59 @@ class PrefetchLoader:
                 y.record_stream(current)
             ahead = issue(next(batches, None))
             yield x, y
+
+    def _from_thread(self, stream: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        device, ready, stop = self.transfer.device, queue.Queue(maxsize=self.AHEAD), threading.Event()
+
+        def put(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    pass
+            return False
+
+        def work() -> None:
+            try:
+                if stream is not None:
+                    torch.cuda.set_device(device)
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    for batch in self.loader:
+                        x, y = self._staged(batch)
+                        event = None
+                        if stream is not None:
+                            event = torch.cuda.Event()
+                            event.record(stream)
+                        if not put((x, y, event)):
+                            return
+                put(None)
+            except BaseException as error:  # (handed to the trainer's thread, which raises it)
+                put(_Failed(error))
+
+        thread = threading.Thread(target=work, name="relaxsync-stage", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = ready.get()
+                if item is None:
+                    return
+                if isinstance(item, _Failed):
+                    raise item.error
+                x, y, event = item
+                if event is not None:
+                    current = torch.cuda.current_stream(device)
+                    current.wait_event(event)  # (the batch's decode and crops, and nothing queued after them)
+                    x.record_stream(current)
+                    y.record_stream(current)
+                yield x, y
+        finally:  # (the epoch ended, or the trainer stopped taking batches: the thread stops too)
+            stop.set()
+            thread.join()
+
+
+class _Failed:
+    """An exception raised in the staging thread, on its way to the trainer's."""
+
+    def __init__(self, error: BaseException):
+        self.error = error

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import time
 from functools import partial
 from typing import Any
@@ -78,7 +79,7 @@ class Trainer:
         self.loop = LoopState()
         logger = instantiate(cfg["logger"]) if not self.done() else NoLogger()  # nothing to train, nothing to log
         self.recorder = Recorder(run_dir, cfg, self.sync.name, self.membership, logger)
-        evaluator = Evaluator(self.comm, self.amp.autocast, self.device, data.num_classes)
+        evaluator = Evaluator(self.comm, self.amp.autocast, self.device, data.num_classes, self.loaders.skipped_count)
         self.evaluation = Evaluation(t, evaluator, self.run, self.recorder)
         self.elastic.attach(self, partial(self.begin, state, resumed))  # (a joiner begins at its admission: resize)
         at = self.loaders.steps_per_epoch, self.batch_size, run_dir
@@ -250,7 +251,18 @@ class Trainer:
         self.apply(report, epoch)
         self.recorder.write(record, self.step)
         self.run.stepped(self.batch_size * self.loaders.train.sampler.num_replicas)
+        self.report_skipped(epoch)
         return record
+
+    def report_skipped(self, epoch: int) -> None:
+        """A ``file_skipped`` event for each image file the loaders skipped since the last report (this rank's;
+        ``data.on_bad_file=skip``), its line on this rank's console whichever rank logs."""
+        for path, why in self.loaders.take_skipped():
+            message = f"relaxsync: rank {self.rank} skipped {path}: {why} (data.on_bad_file=skip)"
+            event = {"event": "file_skipped", "path": path, "why": why, "rank": self.rank, "message": message}
+            self.recorder.event(event, epoch, self.step)
+            if not self.membership.is_logging_rank:
+                print(message, file=sys.stderr, flush=True)
 
     def _compute(self, x: torch.Tensor, y: torch.Tensor, epoch: int, data_s: float):
         """The step up to and including the optimizer step: (report, StepResult, seconds slept by the straggler)."""
@@ -287,7 +299,9 @@ class Trainer:
 
     def evaluate(self, epoch: int, on_the_side: bool = False) -> dict[str, Any]:
         val, replicas = self.loaders.val, self.sync.evaluates_replicas
-        return self.evaluation.evaluate(epoch, self.raw_model, replicas, val, self.settle, on_the_side)
+        result = self.evaluation.evaluate(epoch, self.raw_model, replicas, val, self.settle, on_the_side)
+        self.report_skipped(epoch)  # (the validation files it skipped)
+        return result
 
     def save_checkpoint(self, epoch: int) -> None:
         """Checkpoint during or at the end of epoch ``epoch`` (from 1); the logging rank writes the main file."""

@@ -67,6 +67,8 @@ def run_summary(run: Any, membership: Any, totals: Any, steps: StepStats, lost_r
         "best_epoch": best.get("epoch"),
         "reached_target": fields["reached_target"],
         "syncs": fields.get("syncs", []),
+        # image files every rank skipped in this invocation (data.on_bad_file=skip), as its last evaluation counted
+        "skipped_files": last.get("skipped_files", 0),
     }
 
 
@@ -100,6 +102,8 @@ def format_summary(summary: dict[str, Any], trainer: dict[str, Any], run_dir: st
     if switches:
         chosen = "; ".join(f"{c['option']} from step {c['at_steps']} ({c['why']})" for c in switches)
         lines.append(f"  sync      auto: {chosen}")
+    if s.get("skipped_files"):
+        lines.append(f"  data      {s['skipped_files']} unreadable files skipped (file_skipped events)")
     evicted = ", ".join(str(r) for r in s["evicted_ranks"]) or "none"
     lost = f"; lost: {', '.join(str(r) for r in s['lost_ranks'])}" if s.get("lost_ranks") else ""
     lines.append(f"  ranks     {s['world_size']} of {s['initial_world_size']} at the end; evicted: {evicted}{lost}")
