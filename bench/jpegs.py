@@ -51,8 +51,8 @@ def write_tree(
     seed: int = 0,
 ) -> dict[str, list[Path]]:
     """``<root>/{train,val}/class<k>/<i>.JPEG``: sizes ``size`` (width, height) +- ``jitter`` pixels each way; with
-    ``odd`` every ``odd_every``-th file one of ``ODD_KINDS``, in turn; ``truncated`` training files cut to half their bytes.
-    Returns the paths of each odd kind (and ``truncated``)."""
+    ``odd`` every ``odd_every``-th file one of ``ODD_KINDS``, in turn; ``truncated`` training files cut to half
+    their bytes. Returns the paths of each odd kind (and ``truncated``)."""
     rng = np.random.default_rng(seed)
     kinds: dict[str, list[Path]] = {}
     num_val = num_val if num_val is not None else max(classes, num_train // 8)
