@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-full test-gpu apex bench-gpu chaos lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-nodes bench-faults bench-soak bench-tta bench-membership bench-peers peers clean
+.PHONY: help venv train test test-full test-gpu apex bench-gpu bench-decode chaos lint format bench bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-nodes bench-faults bench-soak bench-tta bench-membership bench-peers peers clean
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -59,10 +59,13 @@ format: $(STAMP) ## ruff format + autofix
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-nodes bench-faults bench-soak bench-tta bench-membership bench-peers ## run every benchmark (results: docs/benchmarks/)
+bench: bench-decode bench-overhead bench-straggler bench-dgc bench-dgc-accuracy bench-localsgd bench-gossip bench-diloco bench-network bench-nodes bench-faults bench-soak bench-tta bench-membership bench-peers ## run every benchmark (results: docs/benchmarks/)
 
 bench-gpu: $(STAMP) ## on a GPU: train.py vs a plain torch loop (img/s), the loader's rate, NCCL recoveries (--smoke: CPU)
 	$(PY) -m bench.gpu $(ARGS)
+
+bench-decode: $(STAMP) ## image files into batches: our CPU decode vs a plain torchvision DataLoader (per core); on a GPU, nvJPEG's path
+	$(PY) -m bench.decode $(ARGS)
 
 bench-overhead: $(STAMP) ## our allreduce loop vs a plain torch DDP loop (samples/s ratio)
 	$(PY) -m bench.overhead $(ARGS)

@@ -10,9 +10,14 @@
    setting, one ``loss.item()`` per step as the trainer's. Both run in one invocation, on the same GPU, one after the
    other; medians over steps ``--skip`` and later. The trainer's records also give its data wait, GPU compute and
    GPU communication per step.
-2. **The loader's own rate**: images/s of the imagefolder loaders (real JPEG files written at bench time, decoded
-   and augmented by the workers, normalized on the device) with no model, ``data.num_workers=auto``: whole epochs
-   at batch 64 once the workers have started, timed from each epoch's first request to its last batch.
+2. **Real images** (``--images``, an ImageNet-like tree written at bench time by ``bench.jpegs``: JPEGs of mixed
+   sizes around 500x375, one in 16 CMYK, grayscale, progressive or a PNG): ``train.py`` on them (``data=imagefolder``)
+   for each of ``--real-decodes`` (``gpu``: batched nvJPEG on the GPU; ``cpu``: the workers), ``real_img_s`` and
+   ``real_cpu_img_s`` beside the synthetic run's ``synthetic_img_s`` (the same figure as ``ours_img_s``), with the
+   same batch, steps and compile setting; the device decode path alone (``decode_img_s``: nvJPEG, crops, resizes,
+   flips, normalization on collated batches, ``bench.decode``) and its agreement with the CPU decode over
+   ``--agree-batches`` batches with writes queued on the stream (the nvJPEG ordering hazard); and the workers'
+   loader alone on the CPU decode (``loader_img_s``): whole epochs at batch 64 once the workers have started.
 3. **NCCL recoveries** (``--faults``, on by default on a GPU): ``make test-gpu``'s kill cases (three torchrun nodes,
    one killed, under allreduce, DGC and local SGD; a node lost in a ring of four), each node an NCCL host of its own
    on the shared GPU; every ``rank_lost`` event's ``recovery_s``. Beside them, the GPU tests ``--gpu-tests`` names
@@ -20,8 +25,9 @@
    On the CPU (``--smoke``) the cases are only collected, so that a renamed test fails here and not on the next
    GPU.
 
-Writes ``bench/results/gpu-<date>.json`` (``device``, ``torch``, ``nccl``, ``ours_img_s``, ``plain_img_s``,
-``ratio``, ``recovery_s`` and every figure) and ``docs/benchmarks/gpu.md``; ``--out`` puts both elsewhere.
+Writes ``bench/results/gpu-<date>.json`` (``device``, ``torch``, ``nccl``, ``cpus``, ``ours_img_s``,
+``plain_img_s``, ``ratio``, ``synthetic_img_s``, ``real_img_s``, ``decode_img_s``, ``recovery_s`` and every figure)
+and ``docs/benchmarks/gpu.md``; ``--out`` puts both elsewhere.
 """
 
 from __future__ import annotations
@@ -82,7 +88,7 @@ def environment(device: str) -> dict[str, Any]:
     import timm
     import torch
 
-    env: dict[str, Any] = {"torch": torch.__version__, "timm": timm.__version__, "cpus": os.cpu_count()}
+    env: dict[str, Any] = {"torch": torch.__version__, "timm": timm.__version__, "cpus": len(os.sched_getaffinity(0))}
     if device == "cuda":
         env["device"] = torch.cuda.get_device_name()
         env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
@@ -118,20 +124,6 @@ def ours(overrides: list[str], run_dir: Path, skip: int) -> dict[str, float]:
     return figures
 
 
-def write_jpegs(root: Path, num_images: int, classes: int = 4, size: tuple[int, int] = (500, 375)) -> None:
-    """An ImageNet-layout folder of real JPEGs (smooth random images, ImageNet's typical size), train and val."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for split, count in (("train", num_images), ("val", max(classes, num_images // 8))):
-        for i in range(count):
-            folder = root / split / f"class{i % classes}"
-            folder.mkdir(parents=True, exist_ok=True)
-            low = rng.integers(0, 256, (size[1] // 16, size[0] // 16, 3), dtype=np.uint8)
-            Image.fromarray(low).resize(size, Image.BILINEAR).save(folder / f"{i}.jpg", quality=90)
-
-
 def loader_rate(root: Path, device: str, batch: int, image_size: int, epochs: int = 2) -> dict[str, float]:
     """Images/s of the imagefolder training loader alone (workers decode and augment; the device normalizes), over
     whole epochs after a first one that starts the (persistent) workers: from each epoch's first request to its
@@ -143,7 +135,7 @@ def loader_rate(root: Path, device: str, batch: int, image_size: int, epochs: in
     from data.common import Loaders
     from data.imagefolder import build
 
-    data = build(str(root), image_size=image_size)
+    data = build(str(root), image_size=image_size, decode="cpu")
     loaders = Loaders(data, batch, "auto", 0, torch.device(device), channels_last=device == "cuda")
     loaders.build(1, 0)
     seconds, n = 0.0, 0
@@ -157,6 +149,48 @@ def loader_rate(root: Path, device: str, batch: int, image_size: int, epochs: in
         if epoch:  # (epoch 0 starts the workers)
             seconds, n = seconds + time.perf_counter() - start, n + count
     return {"img_s": n / seconds, "num_workers": loaders.num_workers, "images": n, "batch": batch}
+
+
+def real_images(a: Any, result: dict[str, Any], work: Path, overrides: list[str], device: str, size: int,
+                save: Any) -> None:  # fmt: skip
+    """``train.py`` on an ImageNet-like tree for each of ``a.real_decodes``, the device decode path alone and its
+    agreement with the CPU decode, the workers' loader alone: into ``result``."""
+    from bench import decode as bench_decode
+    from bench.jpegs import write_tree
+
+    folder = work / "jpegs"
+    write_tree(folder, a.images)
+    base = [o for o in overrides if not o.startswith(("data", "data."))]
+    decodes = [d for d in a.real_decodes.split(",") if d] if device == "cuda" else ["cpu"]  # (no GPU: the CPU's)
+    for decode in decodes:
+        run = [*base, "data=imagefolder", f"data.root={folder}", f"data.decode={decode}", f"data.image_size={size}",
+               f"data.batch_size={a.batch}", "data.num_workers=auto", "trainer.epochs=1000",
+               "trainer.eval_every=1000"]  # fmt: skip
+        try:
+            figures = ours(run, work / f"real-{decode}", a.skip)
+            result["real"][decode] = figures
+            result["real_img_s" if decode == "gpu" else "real_cpu_img_s"] = figures["img_s"]
+            print(f"  train.py on real JPEGs, data.decode={decode}: {figures['img_s']:.0f} img/s "
+                  f"({figures['img_s'] / result['synthetic_img_s']:.3f} of synthetic); data wait "
+                  f"{figures['data_s'] * 1e3:.2f} ms a step", flush=True)  # fmt: skip
+        except (RuntimeError, subprocess.TimeoutExpired) as error:
+            result["errors"][f"real_{decode}"] = str(error)[-2000:]
+            print(f"  train.py on real JPEGs ({decode}) failed: {str(error)[-1500:]}", flush=True)
+        save()
+    if result["real_img_s"] is not None:  # (null where not measured: no GPU to decode on)
+        result["real_ratio"] = result["real_img_s"] / result["synthetic_img_s"]
+    batch = 8 if a.smoke else 256
+    result.update(bench_decode.device_decode_rate(folder, device, batch, 8, size, 3))
+    result.update(bench_decode.agreement(folder, device, 4 if a.smoke else 32, a.agree_batches, size))
+    print(f"  decode + crop alone ({device}): {result['decode_img_s']:.0f} img/s; against the CPU decode over "
+          f"{result['agree_batches']} batches: {result['agree_failed_batches']} outside the bound, worst image mean "
+          f"{result['agree_worst_mean_levels']:.2f} levels", flush=True)  # fmt: skip
+    save()
+    rate = loader_rate(folder, device, min(a.batch, 64), size, epochs=1 if a.smoke else 2)
+    result.update(loader_img_s=rate["img_s"], loader_workers=rate["num_workers"], loader_batch=rate["batch"])
+    print(f"  imagefolder loader, CPU decode: {rate['img_s']:.0f} img/s ({rate['num_workers']} workers, batch "
+          f"{rate['batch']}, whole epochs with the workers started)", flush=True)  # fmt: skip
+    save()
 
 
 def fault_recoveries(smoke: bool, basetemp: Path, timeout_s: float, gpu_tests: str, log: Path) -> dict[str, Any]:
@@ -224,7 +258,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--skip", type=int, default=10)
     p.add_argument("--model", default="resnet50")
     p.add_argument("--compile", action="store_true", help="model.compile=true on both sides")
-    p.add_argument("--images", type=int, default=2048, help="JPEGs of the loader's folder (0: no loader part)")
+    p.add_argument("--images", type=int, default=2048, help="training files of the real images (0: no such part)")
+    p.add_argument("--real-decodes", default="gpu,cpu", help="data.decode values train.py runs on the real images")
+    p.add_argument("--agree-batches", type=int, default=200, help="batches of the GPU/CPU decode agreement")
     p.add_argument("--faults", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--faults-timeout", type=float, default=300.0)
     p.add_argument(
@@ -238,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     device = "cpu" if a.smoke or not torch.cuda.is_available() else "cuda"
     if a.smoke:
-        a.batch, a.steps, a.skip, a.model, a.images = 8, 6, 2, "test_resnet", 48
+        a.batch, a.steps, a.skip, a.model, a.images, a.agree_batches = 8, 6, 2, "test_resnet", 48, 2
     size, classes = (32, 10) if a.smoke else (224, 1000)
     env = environment(device)
     dtype = None if device == "cpu" else ("bfloat16" if env["bf16"] else "float16")
@@ -261,6 +297,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     md_path.parent.mkdir(parents=True, exist_ok=True)
     nan = float("nan")
     result.update(plain_img_s=nan, ours_img_s=nan, ratio=nan, loader_img_s=nan, loader_workers=0, recovery_s=[])
+    result.update(synthetic_img_s=nan, real_img_s=None, real_cpu_img_s=None, real_ratio=None, decode_img_s=None)
+    result["real"] = {}
     result.update(ours_step_s=nan, ours_data_s=nan, ours_compute_s=nan, ours_comm_s=nan, faults={}, errors={})
 
     def save() -> None:  # (after each part: a run cut short keeps what it measured)
@@ -283,7 +321,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]  # fmt: skip
     try:
         figures = ours(overrides, work / "ours", a.skip)
-        result.update({"ours_img_s": figures["img_s"], "ours_steps": figures["steps"]})
+        result.update(
+            {"ours_img_s": figures["img_s"], "synthetic_img_s": figures["img_s"], "ours_steps": figures["steps"]}
+        )
         result.update({f"ours_{k}": figures[k] for k in ("step_s", "data_s", "compute_s", "comm_s")})
         result["ratio"] = result["ours_img_s"] / result["plain_img_s"]
         print(f"  train.py: {figures['img_s']:.0f} img/s (ratio {result['ratio']:.3f}); per step: data wait "
@@ -295,13 +335,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     save()
 
     if a.images:  # (0: left out)
-        folder = work / "jpegs"
-        write_jpegs(folder, a.images)
-        rate = loader_rate(folder, device, min(a.batch, 64), size, epochs=1 if a.smoke else 2)
-        result.update(loader_img_s=rate["img_s"], loader_workers=rate["num_workers"], loader_batch=rate["batch"])
-        print(f"  imagefolder loader: {rate['img_s']:.0f} img/s ({rate['num_workers']} workers, batch "
-              f"{rate['batch']}, whole epochs with the workers started)", flush=True)  # fmt: skip
-        save()
+        real_images(a, result, work, overrides, device, size, save)
 
     faults = {}
     if a.faults:
@@ -329,9 +363,18 @@ def markdown(r: dict[str, Any], command: str) -> str:
         ("`train.py` (sync=allreduce, one process, uint8 synthetic images via the loaders)", f"{r['ours_img_s']:.0f}"),
         ("ratio (ours / plain)", f"{r['ratio']:.3f}"),
     ]  # fmt: skip
-    if r["loader_workers"]:  # (--images 0: not measured)
-        rows.append((f"imagefolder loader alone (500x375 JPEGs decoded and augmented by {r['loader_workers']} workers, "
-                     "whole epochs)", f"{r['loader_img_s']:.0f}"))  # fmt: skip
+    if r["real"]:  # (--images 0: not measured)
+        for decode, figures in r["real"].items():
+            share = figures["img_s"] / r["synthetic_img_s"]
+            rows.append((f"`train.py` on real JPEGs (`data=imagefolder data.decode={decode}`; "
+                         f"{share:.3f} of the synthetic run; data wait {figures['data_s'] * 1e3:.2f} ms a step)",
+                         f"{figures['img_s']:.0f}"))  # fmt: skip
+    if "decode_batch" in r:  # (after the real runs: a run cut short saves before)
+        rows.append(("decode + crop alone on the device (nvJPEG, crops, resizes, flips, normalization; batch "
+                     f"{r['decode_batch']})", f"{r['decode_img_s']:.0f}"))  # fmt: skip
+    if r["loader_workers"]:
+        rows.append((f"imagefolder loader alone, CPU decode ({r['loader_workers']} workers, whole epochs)",
+                     f"{r['loader_img_s']:.0f}"))  # fmt: skip
     lines = [
         "# One GPU: train.py against a plain torch loop, the loader, NCCL recoveries",
         "",
@@ -348,6 +391,11 @@ def markdown(r: dict[str, Any], command: str) -> str:
         f"{r['ours_compute_s'] * 1e3:.2f} ms, GPU communication {r['ours_comm_s'] * 1e3:.2f} ms, "
         f"step {r['ours_step_s'] * 1e3:.2f} ms.",
         "",
+        *([f"GPU decode against the CPU decode of the same files, {r['agree_batches']} batches of "
+           f"{r['agree_batch']} with writes queued on the stream: {r['agree_failed_batches']} batches with an image "
+           f"at a mean difference of {r['agree_bound_levels']:.0f} levels or more; worst image mean "
+           f"{r['agree_worst_mean_levels']:.2f}, largest difference {r['agree_max_levels']:.0f}.", ""]
+          if "agree_batches" in r else []),
         f"NCCL kill cases (`make test-gpu`'s): {faults}; "
         f"`recovery_s` of each `rank_lost`: {recoveries}.",
         "",

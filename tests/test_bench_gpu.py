@@ -13,9 +13,14 @@ def test_the_gpu_bench_runs_on_the_cpu_and_writes_its_results(tmp_path):
     result = gpu.main(["--smoke", "--out", str(tmp_path)])
     (written,) = tmp_path.glob("gpu-*.json")
     assert json.loads(written.read_text()) == result
-    for key in ("device", "torch", "ours_img_s", "plain_img_s", "ratio", "recovery_s", "loader_img_s"):
+    for key in ("device", "torch", "cpus", "ours_img_s", "plain_img_s", "ratio", "recovery_s", "loader_img_s",
+                "synthetic_img_s", "real_img_s", "decode_img_s"):  # fmt: skip
         assert key in result, key
     assert result["ours_img_s"] > 0 and result["plain_img_s"] > 0 and result["loader_img_s"] > 0
+    # real JPEGs through train.py (on the CPU: its CPU decode), the device path alone, and its agreement with the CPU
+    assert result["synthetic_img_s"] == result["ours_img_s"] and result["real_cpu_img_s"] > 0
+    assert result["real"]["cpu"]["steps"] == result["steps"] - result["skip"]
+    assert result["decode_img_s"] > 0 and result["agree_failed_batches"] == 0 and result["agree_batches"] == 2
     assert result["ratio"] == result["ours_img_s"] / result["plain_img_s"]
     assert result["ours_steps"] == result["steps"] - result["skip"]  # the medians are over the steps asked for
     # the kill cases a GPU run times (allreduce, DGC and local SGD losing a node of three, the ring of four) and the
@@ -38,3 +43,13 @@ tests/test_gpu.py::test_relaxed_sync_evicts_a_gpu_slow_on_its_device SKIPPED (no
         "tests/test_gpu.py::test_relaxed_sync_trains_with_apex[O1]": "FAILED",
         "tests/test_gpu.py::test_relaxed_sync_evicts_a_gpu_slow_on_its_device": "SKIPPED",
     }
+
+
+def test_the_decode_bench_runs_and_compares_our_cpu_path_with_plain_torchvision(tmp_path):
+    from bench import decode
+
+    result = decode.main(["--smoke", "--out", str(tmp_path)])
+    (row,) = result["cpu"]
+    assert row["ours_img_s"] > 0 and row["plain_img_s"] > 0 and row["ratio"] == row["ours_img_s"] / row["plain_img_s"]
+    assert result["decode_img_s"] > 0 and result["agree_failed_batches"] == 0
+    assert "| workers | ours (images/s) |" in (tmp_path / "decode.md").read_text()
