@@ -159,8 +159,8 @@ class PrefetchLoader:
 
         def work() -> None:
             try:
-                if stream is not None:
-                    torch.cuda.set_device(device)
+                if stream is not None and device.index is not None:
+                    torch.cuda.set_device(device)  # (a new thread starts on the first GPU)
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     for batch in self.loader:
                         x, y = self._staged(batch)
