@@ -222,7 +222,11 @@ class Loaders:
     ):
         self.data, self.batch_size, self.seed, self.device = data, batch_size, seed, torch.device(device)
         self.num_workers = resolve_num_workers(num_workers)
-        self.transfer = DeviceTransfer(self.device, data.mean, data.std, data.uint8, channels_last)
+        # Training's and validation's own (each its own side stream: a decoding thread of each may stage at once, an
+        # evaluation on the side while the training loader waits, and the nvJPEG drain orders one stream's work)
+        made = (DeviceTransfer(self.device, data.mean, data.std, data.uint8, channels_last) for _ in range(2))
+        self.transfers = dict(zip(("train", "val"), made))
+        self.transfer = self.transfers["train"]
         decode = decode or data.decode
         self.on_device = decode == "gpu" or (decode == "auto" and self.device.type == "cuda")
         self.stages: dict[str, Callable[[Any], tuple[torch.Tensor, torch.Tensor]] | None] = {}
@@ -230,7 +234,7 @@ class Loaders:
             dataset = getattr(data, name)
             if hasattr(dataset, "encoded"):
                 dataset.encoded = self.on_device  # (before any worker starts: they take the dataset as it is)
-            self.stages[name] = dataset.stage(self.transfer) if hasattr(dataset, "stage") else None
+            self.stages[name] = dataset.stage(self.transfers[name]) if hasattr(dataset, "stage") else None
         self.skipped: collections.deque[tuple[str, str]] = collections.deque()  # (appended to by the threads)
         self.skipped_taken = 0
         self.train: PrefetchLoader | None = None
@@ -238,7 +242,8 @@ class Loaders:
         self.steps_per_epoch = 0
 
     def _prefetch(self, loader: DataLoader, name: str) -> PrefetchLoader:
-        return PrefetchLoader(loader, self.transfer, self.stages[name], self.skipped, threaded=self.on_device)
+        transfer, stage = self.transfers[name], self.stages[name]
+        return PrefetchLoader(loader, transfer, stage, self.skipped, threaded=self.on_device)
 
     def build(self, num_replicas: int, rank: int, train: bool = True) -> None:
         """Shard the validation set (and, if ``train``, the training set) over ``num_replicas`` ranks."""

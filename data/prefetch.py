@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 class DeviceTransfer:
     """One batch to ``device``: float32, normalized when its pixels are uint8 (``(x - 255 mean) / (255 std)`` per
-    channel, timm's arithmetic), channels_last when asked. Holds the side stream of every loader of one
+    channel, timm's arithmetic), channels_last when asked. Holds the side stream of a split's loaders of one
     ``data.common.Loaders`` (the caching allocator pools memory per stream: one stream, whatever the rebuilds)."""
 
     def __init__(
