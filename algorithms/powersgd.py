@@ -21,6 +21,14 @@ algorithm builds has its layout fixed when it is built, in parameter order, and 
 ends bit for bit where the uninterrupted one ends. The state is also kept per *parameter* (:class:`BucketState`),
 saved that way, and assembled for whichever bucket holds the parameter, so it follows the parameters whatever the
 buckets (a checkpoint written with another layout, a new DDP over the survivors of a membership change).
+
+The same products must also run with the same number of threads. PyTorch's hook computes a bucket's Q and its
+decompressed gradient in completion callbacks, on whichever thread completes an allreduce: often one of gloo's worker
+threads, which ``torch.set_num_threads`` (``trainer.threads``) never reached, since it sets MKL's thread count for
+the calling thread only. Such a thread runs MKL with one thread per core until something there happens to set it, so
+whether a product ran split over cores (rounding otherwise) depended on timing and on the thread's history, and a
+resumed run did not end where the uninterrupted one did. PowerSGD's per-bucket dicts (:class:`_ThreadsDict`), read
+by each of those callbacks before its first product, give the thread reading them the process's thread count.
 """
 
 import time
@@ -59,6 +67,29 @@ def factor_order(params: list[torch.Tensor], rank: int, min_compression_rate: fl
         if sizes is not None:
             by_shape.setdefault((p.shape[0], p.numel() // p.shape[0]), []).append((i, *sizes))
     return [entry for group in by_shape.values() for entry in group]
+
+
+class _ThreadsDict(dict):
+    """One of ``PowerSGDState``'s per-bucket dicts (error feedback, P, Q) that gives whichever thread reads or writes
+    it the intra-op thread count of the thread that made it (``trainer.threads``), MKL's included. PyTorch's hook
+    reads or writes them in each completion callback before that callback's first matrix product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads = torch.get_num_threads()
+
+    def _adopt(self) -> None:
+        # (a thread's first call takes the process's count; a thread that took another one takes this one)
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+
+    def __getitem__(self, key: int) -> torch.Tensor:
+        self._adopt()
+        return super().__getitem__(key)
+
+    def __setitem__(self, key: int, value: torch.Tensor) -> None:
+        self._adopt()
+        super().__setitem__(key, value)
 
 
 class BucketState:
@@ -206,6 +237,9 @@ class PowerSGD(AllReduce):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: SyncContext) -> None:
         self.psgd = PowerSGDState(process_group=ctx.comm.group, **self.options)
+        # (its callbacks' matrix products with this thread's thread count, on any thread: the module's docstring)
+        psgd = self.psgd
+        psgd.error_dict, psgd.p_memory_dict, psgd.q_memory_dict = _ThreadsDict(), _ThreadsDict(), _ThreadsDict()
         self.buckets = BucketState(self.psgd)
         super().setup(model, optimizer, ctx)
 
