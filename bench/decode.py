@@ -244,7 +244,9 @@ def markdown(r: dict[str, Any], command: str) -> str:
         "",
         "Ours is `data.decode=cpu` (torchvision's libjpeg-turbo decode, crop, antialiased resize and flip on uint8 "
         "tensors in the workers, the batch normalized where it arrives); plain is torchvision's `ImageFolder` with "
-        "Pillow, `RandomResizedCrop`, `RandomHorizontalFlip`, `ToTensor` and `Normalize` in the workers.",
+        "Pillow, `RandomResizedCrop`, `RandomHorizontalFlip`, `ToTensor` and `Normalize` in the workers. Per core "
+        "divides by the workers: the training process (taking the batches, normalizing ours) runs beside them, on a "
+        "core of its own only where the machine has one more than the workers.",
         "",
         "| workers | ours (images/s) | plain torchvision (images/s) | ours per core | plain per core | ours / plain |",
         "| --- | --- | --- | --- | --- | --- |",

@@ -271,6 +271,8 @@ class FileStage:
         jpegs = batch.jpegs()
         try:
             decoded: list[torch.Tensor | None] = list(self.decode(jpegs))
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError:  # (nvJPEG refused one: find which, on the CPU)
             decoded = self.decode_each(batch, jpegs)
         size, ds = self.dataset.size, self.dataset
