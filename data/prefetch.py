@@ -78,12 +78,13 @@ class PrefetchLoader:
     loader itself. Files a batch skipped (its ``skipped``) are appended to ``skipped``.
 
     ``threaded`` (a stage that decodes, ``data.imagefolder.FileStage``): the stage runs in a thread of its own, on
-    the side stream, ``AHEAD`` batches ahead, while this thread trains (the decode blocks the host it runs on, and
-    on a GPU the trainer's thread waits for every step's end); the batches come with an event the compute stream
-    waits for. Without, the stage is issued from the trainer's thread before the batch before it is handed over.
+    the side stream, while this thread trains (the decode blocks the host it runs on, and on a GPU the trainer's
+    thread waits for every step's end): one batch ready ahead of the one training, the thread at work on the next;
+    the batches come with an event the compute stream waits for. Without, the stage is issued from the trainer's
+    thread before the batch before it is handed over.
     """
 
-    AHEAD = 2  # batches a thread stages ahead of the one training
+    AHEAD = 1  # batches a thread holds ready ahead of the one training (besides the one it stages)
 
     def __init__(
         self,
