@@ -276,28 +276,32 @@ class FileStage:
         except RuntimeError:  # (nvJPEG refused one: find which, on the CPU)
             decoded = self.decode_each(batch, jpegs)
         size, ds = self.dataset.size, self.dataset
-        layout = torch.channels_last if transfer.channels_last else torch.contiguous_format
-        x = torch.empty((len(batch), 3, size, size), dtype=torch.float32, device=device, memory_format=layout)
-        slots = batch.encoded_slots.tolist()
-        boxes, flips = batch.boxes.tolist(), batch.flips.tolist()
-        for i, (slot, image) in enumerate(zip(slots, decoded)):
+        views: list[torch.Tensor | None] = [None] * len(batch)
+        boxes = batch.boxes.tolist()
+        for i, (slot, image) in enumerate(zip(batch.encoded_slots.tolist(), decoded)):
             if image is None:
                 continue
-            if ds.train:
-                x[slot] = images.train_view(image, boxes[i], flips[i], size, as_float=True)
+            if ds.train:  # (the flips after, for the whole batch at once)
+                views[slot] = images.train_view(image, boxes[i], False, size, as_float=True)
             else:
-                x[slot] = images.eval_view(image.float(), size, ds.crop_pct)
-        if len(batch.pixel_slots):
-            x[batch.pixel_slots.to(device)] = batch.pixels.to(device, non_blocking=True).float()
-        missing = [slot for slot, image in zip(slots, decoded) if image is None]
-        if missing:
-            keep = [slot for slot in range(len(batch)) if slot not in set(missing)]
-            if not keep:
-                raise images.UnreadableImage("no file of a batch is readable")
-            if ds.train:  # (their places: the first readable image's, as the workers fill them)
-                x[missing] = x[keep[0]]
-            else:
-                x, batch.labels = x[keep], batch.labels[keep]
+                views[slot] = images.eval_view(image.float(), size, ds.crop_pct)
+        if len(batch.pixel_slots):  # (the workers' images: cropped, resized and flipped already)
+            pixels = batch.pixels.to(device, non_blocking=True).float()
+            for j, slot in enumerate(batch.pixel_slots.tolist()):
+                views[slot] = pixels[j]
+        keep = [slot for slot, view in enumerate(views) if view is not None]
+        if not keep:
+            raise images.UnreadableImage("no file of a batch is readable")
+        if ds.train:  # (a skipped file's place: the first readable image's, as the workers fill them)
+            x = torch.stack([view if view is not None else views[keep[0]] for view in views])
+            if batch.flips.any():
+                flips = torch.zeros(len(batch), dtype=torch.bool)
+                flips[batch.encoded_slots] = batch.flips
+                x = torch.where(flips.to(device, non_blocking=True).view(-1, 1, 1, 1), x.flip(-1), x)
+        else:
+            x = torch.stack([views[slot] for slot in keep])
+            if len(keep) < len(batch):
+                batch.labels = batch.labels[keep]
         return transfer(x, batch.labels)
 
 

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 SCALE = (0.08, 1.0)  # RandomResizedCrop's defaults (torchvision, timm)
 RATIO = (3 / 4, 4 / 3)
@@ -176,7 +175,9 @@ def resize(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """CHW (uint8 on the CPU, float anywhere) to ``height`` x ``width``: bilinear, antialiased (Pillow's filter)."""
     if tuple(image.shape[-2:]) == (height, width):
         return image
-    return F.interpolate(image[None], size=(height, width), mode="bilinear", antialias=True, align_corners=False)[0]
+    # (F.interpolate(mode="bilinear", antialias=True, align_corners=False)'s own op, without its checks: the GPU
+    # path makes one call per image from a thread that shares the interpreter with training)
+    return torch._C._nn._upsample_bilinear2d_aa(image[None], (height, width), False)[0]
 
 
 def train_view(
