@@ -31,6 +31,7 @@ event, and evaluations and the summary count them (``skipped_files``).
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, NamedTuple
 
 import torch
@@ -231,10 +232,15 @@ class FileStage:
     thread); the JPEGs are decoded with torchvision's batched ``decode_jpeg`` where the batch is (on the GPU: nvJPEG;
     on the CPU, in tests: libjpeg-turbo, the same call), each then cropped, resized and flipped as the workers do
     (``data.images``) but in float. A JPEG nvJPEG refuses is decoded on the CPU here (it names a file no decoder
-    reads). Files skipped here are added to the batch's ``skipped``."""
+    reads). Files skipped here are added to the batch's ``skipped``.
+
+    One batch at a time: two threads may stage on the same stream for a moment (a loader rebuilt for a new world
+    while the old one's thread finishes its batch), and between a drain and its decode no other work may be queued
+    there."""
 
     def __init__(self, dataset: ImageFiles, transfer: Any):
         self.dataset, self.transfer = dataset, transfer
+        self.lock = threading.Lock()
 
     def drain(self) -> None:
         """Wait for the work queued on the current stream (the nvJPEG ordering hazard: see the module's doc)."""
@@ -265,6 +271,10 @@ class FileStage:
         return out
 
     def __call__(self, batch: FileBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.lock:
+            return self._stage(batch)
+
+    def _stage(self, batch: FileBatch) -> tuple[torch.Tensor, torch.Tensor]:
         transfer, device = self.transfer, self.transfer.device
         if not len(batch.encoded_slots):  # (every image decoded by the workers: in slot order)
             return transfer(batch.pixels, batch.labels)
