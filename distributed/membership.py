@@ -25,6 +25,7 @@ import datetime
 import itertools
 import json
 import os
+import secrets
 import socket
 import threading
 import time
@@ -40,6 +41,7 @@ from distributed.connections import cut, keep, noted, store_port
 from distributed.etcd import configured_store
 from distributed.world import node_name
 
+_PROCESS_SECRET = secrets.token_bytes(32)
 _instances = itertools.count()  # Memberships made in this process: every rank makes them in the same order
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default for a group or a store without one
 _groups = itertools.count()  # groups this process built: each needs a name of its own in torch's registry
@@ -217,6 +219,10 @@ class Membership:
         prefix: str | None = None,
         nodes: list[str] | None = None,
     ):
+        # The run's secret, which every presence connection proves (distributed/secret.py): the run's, set by the
+        # worker's build (engine/elastic/build.py); until then this process's own (shared by the memberships of one
+        # process: a simulated world's)
+        self.secret = _PROCESS_SECRET
         self.rank = rank
         self.timeout = timeout  # of every group formed after a change (None: the default group's)
         self.initial_size = world_size

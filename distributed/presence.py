@@ -26,12 +26,22 @@ in a large world the others learn it from their neighbours instead of each askin
 
 The connections are kept (``distributed/connections.py``) so that cutting a replaced gloo group never shuts one of
 them down, which would read as a farewell-less end of file on both sides.
+
+**Only the run's ranks are heard.** Every connection proves, both ways, that its two ends hold the run's secret
+(``distributed/secret.py``) before a byte of it is read as a message: the rank that dials sends a nonce, the one
+that accepts answers with a nonce of its own and an HMAC-SHA256 of both under the secret, the dialer answers with
+its own HMAC (:data:`MAGIC`). A connection that does not (a stranger's, a port scanner's, a run's of another secret)
+is closed within :data:`HANDSHAKE_S` and counted (``rejected``); its bytes are never read as a beat, an alarm or a
+decision, and its end is never taken for a peer's. The port listens on the address the others reach this rank at,
+not on every interface.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import hmac
 import ipaddress
 import os
 import queue
@@ -55,6 +65,22 @@ BEAT_S = SILENT_S / 4  # a beat to each watcher this often: a silence is four be
 CONNECT_TIMEOUT_S = 0.5  # a connection to a peer's port that takes longer is tried again at the next look
 LOOK_S = 0.5  # how often the thread looks again for the addresses of peers it does not reach yet
 _SIOCGIFADDR = 0x8915
+MAGIC = b"RSP1"  # a dialer's first bytes: then its nonce
+NONCE_BYTES, MAC_BYTES = 16, 32
+HANDSHAKE_S = 2.0  # a connection that has not proved it holds the secret by then is closed
+MAX_HANDSHAKES = 64  # connections proving at once; one more is closed at once (a flood holds no more descriptors)
+
+
+def _mac(secret: bytes, side: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(secret, side + first + second, hashlib.sha256).digest()
+
+
+def _listen(address: str) -> socket.socket:
+    """A port on ``address`` (where this host has it), else on every interface."""
+    try:
+        return socket.create_server((address, 0))
+    except OSError:
+        return socket.create_server(("0.0.0.0", 0))
 
 
 def interface_address(name: str) -> str | None:
@@ -124,7 +150,7 @@ class Presence:
     membership's current generation (silences are reported under it); ``on_alarm(generation)``: called on this
     object's thread when a peer passes on an alarm (:meth:`alarm`); ``on_decision(generation, decision)``: the same
     for a decision (:meth:`announce`); ``neighbours()``: the peers to watch, asked at each beat (without it,
-    :meth:`watch` says)."""
+    :meth:`watch` says); ``secret``: the run's, which every connection proves (the module's doc)."""
 
     def __init__(
         self,
@@ -138,13 +164,22 @@ class Presence:
         beat_s: float = BEAT_S,
         silent_s: float = SILENT_S,
         on_decision: Callable[[int, bytes], None] | None = None,
+        secret: bytes = b"",
     ):
-        self.rank, self.store, self.key = rank, store, key
+        if not secret:
+            raise ValueError("a presence needs the run's secret (distributed/secret.py)")
+        self.rank, self.store, self.key, self.secret = rank, store, key, secret
         self.generation, self.on_alarm, self.beat_s, self.silent_s = generation, on_alarm, beat_s, silent_s
         self.address = address or reachable_address()
-        self._listener = socket.create_server(("0.0.0.0", 0))
+        self._listener = _listen(self.address)
         self._listener.setblocking(False)
-        self._accepted: list[socket.socket] = []  # the watchers' connections to this rank
+        self._accepted: list[socket.socket] = []  # the watchers' connections to this rank, proved
+        # Connections still to prove they hold the secret: accepted ones (-> what is expected next, the nonce this
+        # rank sent or b"", the deadline, the bytes so far) and dialled ones (peer -> the socket, this rank's nonce,
+        # the deadline, the bytes so far).
+        self._greeting: dict[socket.socket, list[Any]] = {}
+        self._dialling: dict[int, list[Any]] = {}
+        self.rejected = 0  # connections closed for not proving they hold the secret
         self._watching: dict[int, socket.socket] = {}  # peer -> this rank's connection to its port
         self._wanted: set[int] = set()
         self._ended: set[int] = set()  # peers whose connection ended (with or without a farewell): not redialled
@@ -256,9 +291,9 @@ class Presence:
                     sock.settimeout(0.5)
                     sock.sendall(BYE)
             self._close(sock)
-        for sock in self._watching.values():
+        for sock in [*self._watching.values(), *self._greeting, *(state[0] for state in self._dialling.values())]:
             self._close(sock)
-        self._accepted, self._watching = [], {}
+        self._accepted, self._watching, self._greeting, self._dialling = [], {}, {}, {}
         self._listener.close()
         self._wake_r.close()
         self._wake_w.close()
@@ -280,13 +315,18 @@ class Presence:
                     wanted = set(self._wanted)
                 for peer in [p for p in self._watching if p not in wanted]:
                     self._unwatch(peer)
-                self._dial([p for p in wanted if p not in self._watching and p not in self._ended])
+                for peer in [p for p in self._dialling if p not in wanted]:
+                    self._close(self._dialling.pop(peer)[0])
+                self._expire_handshakes()
+                self._dial([p for p in wanted if p not in self._watching and p not in self._dialling
+                            and p not in self._ended])  # fmt: skip
                 unreached = any(p not in self._watching and p not in self._ended for p in wanted)
                 self._send()
                 self._check_silences()
                 # (the next beat; a peer not reached yet is tried again every LOOK_S)
                 due = min(self._beaten + self.beat_s, now + LOOK_S) if unreached else self._beaten + self.beat_s
-                sockets = [self._listener, self._wake_r, *self._accepted, *self._watching.values()]
+                sockets = [self._listener, self._wake_r, *self._accepted, *self._watching.values(), *self._greeting,
+                           *(state[0] for state in self._dialling.values())]  # fmt: skip
                 if {s.fileno() for s in sockets} != set(by_fd):
                     poller, by_fd = select.poll(), {sock.fileno(): sock for sock in sockets}
                     for fd in by_fd:
@@ -307,6 +347,12 @@ class Presence:
                     with contextlib.suppress(OSError):
                         sock.recv(64)
                     self._rewatch = True  # (the watch changed, an alarm is due, or stop)
+                elif sock in self._greeting:
+                    self._greet(sock)
+                    self._rewatch = True  # (a watcher more, or a connection less)
+                elif (dialled := next((p for p, st in self._dialling.items() if st[0] is sock), None)) is not None:
+                    self._answer(dialled, sock)
+                    self._rewatch = True
                 else:
                     watched = watched or {s: peer for peer, s in self._watching.items()}
                     if sock in watched:
@@ -322,9 +368,91 @@ class Presence:
     def _accept(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
             sock, _ = self._listener.accept()
+            if len(self._greeting) >= MAX_HANDSHAKES:
+                sock.close()
+                self.rejected += 1
+                return
             sock.setblocking(False)
             self._keep(sock)
-            self._accepted.append(sock)
+            self._greeting[sock] = [b"", time.monotonic() + HANDSHAKE_S, b""]
+
+    def _reject(self, sock: socket.socket) -> None:
+        self._close(sock)
+        self.rejected += 1
+
+    def _received(self, sock: socket.socket, so_far: bytes, need: int) -> tuple[bytes, bool]:
+        """``so_far`` and what came on ``sock``, and whether it ended; reads no more than ``need`` bytes in all (what
+        follows a handshake is messages, read as such)."""
+        try:
+            data = sock.recv(need - len(so_far))
+        except BlockingIOError:
+            return so_far, False
+        except OSError:
+            return so_far, True
+        return so_far + data, not data
+
+    def _greet(self, sock: socket.socket) -> None:
+        """A handshake of a connection this rank accepted: the dialer's nonce, answered; then its proof."""
+        state = self._greeting[sock]
+        sent, _, so_far = state
+        need = len(MAGIC) + NONCE_BYTES if not sent else MAC_BYTES
+        so_far, end = self._received(sock, so_far, need)
+        if end:
+            del self._greeting[sock]
+            self._reject(sock)
+            return
+        state[2] = so_far
+        if len(so_far) < need:
+            return
+        if not sent:
+            if not so_far.startswith(MAGIC):
+                del self._greeting[sock]
+                self._reject(sock)
+                return
+            theirs, mine = so_far[len(MAGIC) :], os.urandom(NONCE_BYTES)
+            try:
+                sock.send(mine + _mac(self.secret, b"accept", theirs, mine))  # (64 bytes: the buffer takes them)
+            except OSError:
+                del self._greeting[sock]
+                self._reject(sock)
+                return
+            state[0], state[2] = mine + theirs, b""
+            return
+        del self._greeting[sock]
+        mine, theirs = sent[:NONCE_BYTES], sent[NONCE_BYTES:]
+        if not hmac.compare_digest(so_far, _mac(self.secret, b"dial", mine, theirs)):
+            self._reject(sock)
+            return
+        self._accepted.append(sock)  # (proved: a watcher; its beats go out from the next one)
+
+    def _answer(self, peer: int, sock: socket.socket) -> None:
+        """A handshake of a connection this rank dialled: the peer's nonce and proof, then this rank's proof."""
+        state = self._dialling[peer]
+        _, mine, _, so_far = state
+        so_far, end = self._received(sock, so_far, NONCE_BYTES + MAC_BYTES)
+        state[3] = so_far
+        if not end and len(so_far) < NONCE_BYTES + MAC_BYTES:
+            return
+        del self._dialling[peer]
+        theirs, proof = so_far[:NONCE_BYTES], so_far[NONCE_BYTES:]
+        if end or not hmac.compare_digest(proof, _mac(self.secret, b"accept", mine, theirs)):
+            self._reject(sock)  # (not the peer's port, or not the peer: tried again at the next look)
+            return
+        try:
+            sock.send(_mac(self.secret, b"dial", theirs, mine))
+        except OSError:
+            self._reject(sock)
+            return
+        self._watching[peer] = sock
+        self._heard[peer] = time.monotonic()  # (proved: its beats come from now on)
+
+    def _expire_handshakes(self) -> None:
+        now = time.monotonic()
+        for sock in [s for s, state in self._greeting.items() if now > state[1]]:
+            del self._greeting[sock]
+            self._reject(sock)
+        for peer in [p for p, state in self._dialling.items() if now > state[2]]:
+            self._reject(self._dialling.pop(peer)[0])
 
     def _dial(self, peers: list[int]) -> None:
         for peer in peers:
@@ -336,10 +464,15 @@ class Presence:
                 sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
             except Exception:  # (not published yet, not listening yet, the store's error: the next look tries again)
                 continue
+            nonce = os.urandom(NONCE_BYTES)
+            try:
+                sock.sendall(MAGIC + nonce)
+            except OSError:
+                sock.close()
+                continue
             sock.setblocking(False)
             self._keep(sock)
-            self._watching[peer] = sock
-            self._heard[peer] = time.monotonic()  # (connected: its beats come from now on)
+            self._dialling[peer] = [sock, nonce, time.monotonic() + HANDSHAKE_S, b""]  # (watched once it proves)
 
     def _unwatch(self, peer: int) -> None:
         """Stop watching ``peer`` (no longer a neighbour): quietly, and a silence reported of it is withdrawn (its

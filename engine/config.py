@@ -188,6 +188,15 @@ def validate(cfg: dict[str, Any]) -> None:
             store,
             "null (torch's store) or 'etcd://host:port,host:port,...' (quoted: Hydra reads commas as a list)",
         )
+    secret_file = t.get("secret_file")
+    if secret_file is not None:
+        from distributed.secret import SecretError, _read
+
+        try:
+            problem = "" if isinstance(secret_file, str) and _read(secret_file) else "not a path"
+        except (OSError, SecretError) as error:
+            problem = str(error)
+        _check(not problem, "trainer.secret_file", secret_file, f"null or a file of the run's secret ({problem})")
     ln = t["local_nodes"]
     per_node = "an integer >= 1 that divides trainer.nproc (its processes split evenly into emulated nodes)"
     _check(_is_int(ln) and ln >= 1 and t["nproc"] % ln == 0, "trainer.local_nodes", ln, per_node)

@@ -25,19 +25,22 @@ class Evaluator:
         autocast: Any,
         device: torch.device,
         num_classes: int,
-        skipped: Callable[[], int] = lambda: 0,
+        counts: dict[str, Callable[[], int]] | None = None,
     ):
         self.comm, self.autocast, self.device = comm, autocast, device
         self.k = min(5, num_classes)
-        self.skipped = skipped  # this rank's image files skipped so far (data.on_bad_file=skip): summed with the rest
+        # This rank's counts of what went wrong so far, summed over the ranks by the evaluation's own allreduce:
+        # name -> its reader (the image files skipped, the connections refused for not proving the run's secret)
+        self.counts = counts or {}
 
     @torch.no_grad()
     def measure(self, model: nn.Module, loader: Any) -> dict[str, float]:
         """Loss, top-1 and top-5 of ``model`` (this rank's replica) over the whole set, each sample once. The sums
         stay on the device (float64) until the one read after the allreduce: no host sync per batch. The same
-        allreduce sums the image files every rank skipped (``skipped_files``, in the result when there are any)."""
+        allreduce sums each of ``counts`` over the ranks (in the result under its name when any rank has some)."""
         model.eval()
-        sums = torch.zeros(5, dtype=torch.float64, device=self.device)  # loss, top-1, top-5 hits, samples, skipped
+        names = sorted(self.counts)
+        sums = torch.zeros(4 + len(names), dtype=torch.float64, device=self.device)  # loss, top-1, top-5, samples
         for x, y in loader:  # (the loaders yield batches on the device already: these moves are no-ops)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with self.autocast():
@@ -49,13 +52,13 @@ class Evaluator:
             sums[2] += hits.sum()
             sums[3] += len(y)
         model.train()
-        sums[4] = self.skipped()  # (after the pass: the files it skipped too)
+        for i, name in enumerate(names):  # (after the pass: what it skipped too)
+            sums[4 + i] = self.counts[name]()
         self.comm.all_reduce(sums)
         self.comm.take()  # evaluation traffic is not a training step's; it stays in the totals
-        loss_sum, top1, top5, count, skipped = sums.tolist()
+        loss_sum, top1, top5, count, *counted = sums.tolist()
         result = {"loss": loss_sum / count, "top1": 100.0 * top1 / count, "top5": 100.0 * top5 / count, "count": count}
-        if skipped:
-            result["skipped_files"] = int(skipped)
+        result.update({name: int(n) for name, n in zip(names, counted) if n})
         return result
 
     def measure_average(self, model: nn.Module, loader: Any) -> dict[str, float]:
@@ -141,7 +144,7 @@ class Evaluation:
             "top5": whole["top5"],
             "num_samples": int(whole["count"]),
             **extra,
-            **({"skipped_files": whole["skipped_files"]} if "skipped_files" in whole else {}),
+            **{name: whole[name] for name in sorted(self.evaluator.counts) if name in whole},
             "eval_s": time.perf_counter() - start,  # (time-to-accuracy measures leave it out, but for wait_s)
             # The part of it this rank waited for the slowest to reach the evaluation: an option that exchanges
             # every k steps waits so at its next exchange when nothing evaluates in between; it is training time

@@ -79,7 +79,9 @@ class Trainer:
         self.loop = LoopState()
         logger = instantiate(cfg["logger"]) if not self.done() else NoLogger()  # nothing to train, nothing to log
         self.recorder = Recorder(run_dir, cfg, self.sync.name, self.membership, logger)
-        evaluator = Evaluator(self.comm, self.amp.autocast, self.device, data.num_classes, self.loaders.skipped_count)
+        counts = {"skipped_files": self.loaders.skipped_count}  # (summed over the ranks at each evaluation)
+        counts["rejected_connections"] = self.elastic.rejected_connections
+        evaluator = Evaluator(self.comm, self.amp.autocast, self.device, data.num_classes, counts)
         self.evaluation = Evaluation(t, evaluator, self.run, self.recorder)
         self.elastic.attach(self, partial(self.begin, state, resumed))  # (a joiner begins at its admission: resize)
         at = self.loaders.steps_per_epoch, self.batch_size, run_dir

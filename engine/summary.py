@@ -67,8 +67,10 @@ def run_summary(run: Any, membership: Any, totals: Any, steps: StepStats, lost_r
         "best_epoch": best.get("epoch"),
         "reached_target": fields["reached_target"],
         "syncs": fields.get("syncs", []),
-        # image files every rank skipped in this invocation (data.on_bad_file=skip), as its last evaluation counted
+        # image files every rank skipped in this invocation (data.on_bad_file=skip), and connections to the ranks'
+        # ports refused for not proving the run's secret, as its last evaluation counted them
         "skipped_files": last.get("skipped_files", 0),
+        "rejected_connections": last.get("rejected_connections", 0),
     }
 
 
@@ -104,6 +106,8 @@ def format_summary(summary: dict[str, Any], trainer: dict[str, Any], run_dir: st
         lines.append(f"  sync      auto: {chosen}")
     if s.get("skipped_files"):
         lines.append(f"  data      {s['skipped_files']} unreadable files skipped (file_skipped events)")
+    if s.get("rejected_connections"):
+        lines.append(f"  network   {s['rejected_connections']} connections to the ranks' ports refused (no run secret)")
     evicted = ", ".join(str(r) for r in s["evicted_ranks"]) or "none"
     lost = f"; lost: {', '.join(str(r) for r in s['lost_ranks'])}" if s.get("lost_ranks") else ""
     lines.append(f"  ranks     {s['world_size']} of {s['initial_world_size']} at the end; evicted: {evicted}{lost}")

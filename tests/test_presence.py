@@ -21,13 +21,15 @@ from distributed.connections import cut, keep, noted
 from distributed.presence import Presence, ended, reachable_address, ring_neighbours, silent
 
 ROOT = Path(__file__).resolve().parents[1]
+SECRET = b"the presence tests' run secret"
 PEER = textwrap.dedent(
     """
     import sys, time, datetime
     import torch.distributed as dist
     from distributed.presence import Presence
+    SECRET = b"the presence tests' run secret"
     store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=30))
-    presence = Presence(1, store, lambda name: "run/" + name, address="127.0.0.1").start()
+    presence = Presence(1, store, lambda name: "run/" + name, address="127.0.0.1", secret=SECRET).start()
     print("ready", flush=True)
     if sys.stdin.readline().strip() == "farewell":
         presence.stop(farewell=True)
@@ -57,7 +59,7 @@ def start_peer(store) -> subprocess.Popen:
 
 
 def watching(store, peers=(1,), **options) -> Presence:
-    presence = Presence(0, store.clone(), key, address="127.0.0.1", **options).start()
+    presence = Presence(0, store.clone(), key, address="127.0.0.1", secret=SECRET, **options).start()
     presence.watch(peers)
     deadline = time.monotonic() + 10
     while not all(p in presence._watching for p in peers):
@@ -154,7 +156,7 @@ def test_a_peer_heard_while_this_thread_was_held_is_not_reported_silent(store):
     import socket
     import threading
 
-    presence = Presence(0, store.clone(), key, address="127.0.0.1", silent_s=0.5)
+    presence = Presence(0, store.clone(), key, address="127.0.0.1", secret=SECRET, silent_s=0.5)
     presence._writer = threading.Thread(target=presence._write, daemon=True)  # (its writes; not its own thread)
     presence._writer.start()
     ours, theirs = socket.socketpair()
@@ -194,7 +196,9 @@ def test_an_alarm_goes_round_the_ring_both_ways_once(store):
     connections and its own: every rank of the ring hears of it, the one that raised it does not hear it back."""
     heard: dict[int, list[int]] = {r: [] for r in range(5)}
     ring = [
-        Presence(r, store.clone(), key, address="127.0.0.1", on_alarm=lambda g, r=r: heard[r].append(g)).start()
+        Presence(
+            r, store.clone(), key, address="127.0.0.1", secret=SECRET, on_alarm=lambda g, r=r: heard[r].append(g)
+        ).start()
         for r in range(5)
     ]
     try:
@@ -221,7 +225,12 @@ def test_a_decision_goes_round_the_ring_both_ways_once_and_arrives_whole(store):
     heard: dict[int, list[tuple[int, bytes]]] = {r: [] for r in range(6)}
     ring = [
         Presence(
-            r, store.clone(), key, address="127.0.0.1", on_decision=lambda g, d, r=r: heard[r].append((g, d))
+            r,
+            store.clone(),
+            key,
+            address="127.0.0.1",
+            secret=SECRET,
+            on_decision=lambda g, d, r=r: heard[r].append((g, d)),
         ).start()
         for r in range(6)
     ]

@@ -8,6 +8,7 @@ from typing import Any
 import torch.distributed as dist
 
 from distributed.membership import Membership
+from distributed.secret import agree, run_secret
 from distributed.world import init_distributed
 from engine.elastic.face import Fixed, Surviving
 from engine.elastic.guard import training_membership
@@ -18,11 +19,16 @@ def worker_membership(t: dict[str, Any], device: Any, rank: int, world_size: int
     """A worker's membership (``t``: the trainer section): the active ranks and their group; on a joiner
     (``trainer.join``), the run's store and no ranks yet (rank -1, the run's initial size)."""
     if t["join"]:
-        return joiner_membership(run_dir, t["hang_timeout_s"], t["timeout_s"])
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        init_distributed(backend, t["timeout_s"], t["on_failure"] == "continue", t.get("store"))
-    return training_membership(t["on_failure"], t["hang_timeout_s"], rank, world_size)
+        membership = joiner_membership(run_dir, t["hang_timeout_s"], t["timeout_s"])
+    else:
+        if not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            init_distributed(backend, t["timeout_s"], t["on_failure"] == "continue", t.get("store"))
+        membership = training_membership(t["on_failure"], t["hang_timeout_s"], rank, world_size)
+    if t["on_failure"] == "continue":  # (the ranks' own connections, which prove it: distributed/presence.py)
+        membership.secret = run_secret(run_dir, t.get("secret_file"))
+        agree(membership.store, membership.key("secret"), membership.secret, rank)
+    return membership
 
 
 def build_elastic(t: dict[str, Any], membership: Membership, comm: Any, run_dir: str, model: Any) -> Any:

@@ -62,6 +62,10 @@ class Fixed:
     lost_ranks: tuple[int, ...] = ()
     guests = None  # (``SyncContext.guests``: nobody is ever admitted)
 
+    def rejected_connections(self) -> int:
+        """Connections to this rank's port refused for not proving the run's secret: none (it listens on none)."""
+        return 0
+
     def resume(self, load: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
         """The state this process starts from: ``load()``, the checkpoint's."""
         return load()
@@ -109,6 +113,12 @@ class Surviving:
     @property
     def lost_ranks(self) -> list[int]:
         return self.guard.lost_ranks
+
+    def rejected_connections(self) -> int:
+        """Connections to this rank's presence port closed for not proving the run's secret, so far
+        (``distributed/presence.py``)."""
+        presence = self.guard.failures.heartbeat.presence if self.guard is not None else None
+        return presence.rejected if presence is not None else 0
 
     def resume(self, load: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
         return load()

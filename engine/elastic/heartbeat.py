@@ -76,7 +76,7 @@ class Heartbeat:
             generation = lambda: m.generation  # noqa: E731
             self.presence = Presence(
                 m.rank, m.store.clone(), m.key, None, generation, self._passed_on, self._neighbours,
-                on_decision=self._heard,
+                on_decision=self._heard, secret=m.secret,
             ).start()  # fmt: skip
         except OSError as error:  # (no port to listen on: the peers still find this rank's end by its silence)
             print(f"relaxsync: rank {m.rank} cannot listen for its watchers ({error}); a loss of it is seen by its "
