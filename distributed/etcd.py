@@ -47,6 +47,12 @@ REACH_S = 6.0  # every member tried, again and again, before the store counts as
 WATCH_S = 1.0  # a wait watches its key for this long at a time, then reads the keys again
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: a transaction of more operations is refused
 MAX_TXN_BYTES = 1 << 20  # under etcd's default --max-request-bytes (1.5 MiB), with room for the JSON around it
+# gRPC codes of an answer that another member, or the same one later, would give again (the gateway's JSON has them):
+# INVALID_ARGUMENT, PERMISSION_DENIED, RESOURCE_EXHAUSTED (the database is full: NOSPACE), FAILED_PRECONDITION,
+# OUT_OF_RANGE (a compacted revision), UNAUTHENTICATED. Retrying them for REACH_S and calling the cluster unreachable
+# would hide what etcd said.
+REFUSED_CODES = {3, 7, 8, 9, 11, 16}
+REFUSED_STATUSES = {401, 403, 413, 429}
 _THREAD = threading.local()  # each thread's connections, one per member
 _KEPT: list[EtcdStore] = []  # clones, alive with the process (EtcdStore.clone)
 
@@ -88,6 +94,26 @@ def _range_end(prefix: bytes) -> bytes:
         end.pop()
     end[-1] += 1
     return bytes(end)
+
+
+class EtcdRefused(dist.DistStoreError):
+    """etcd answered and refused the request (its database full, the client not authenticated or not allowed, a
+    request too large): raised at once with etcd's own message, not retried on the other members, which would
+    refuse it too."""
+
+
+def _refusal(status: int, answer: dict[str, Any]) -> bool:
+    return status in REFUSED_STATUSES or answer.get("code") in REFUSED_CODES
+
+
+def _what_to_do(message: str) -> str:
+    if "database space exceeded" in message:
+        return (
+            " (the members' database reached its quota, --quota-backend-bytes: compact its history (etcdctl compact "
+            "<revision>), defragment it (etcdctl defrag) and disarm the alarm (etcdctl alarm disarm); the members "
+            "of the recipes shipped compact it themselves, --auto-compaction-*)"
+        )
+    return ""
 
 
 class EtcdStore(dist.Store):
@@ -158,9 +184,12 @@ class EtcdStore(dist.Store):
                 if response.status == 200:
                     return json.loads(data)
                 answer = json.loads(data) if data.startswith(b"{") else {}
-                last = f"{host}:{port} answered {response.status}: {answer.get('error') or data[:200]!r}"
+                message = answer.get("message") or answer.get("error") or data[:200].decode(errors="replace")
+                last = f"{host}:{port} answered {response.status}: {message}"
                 if response.status == 400:  # (a request etcd cannot parse: ours, not the cluster's)
                     raise ValueError(f"etcd store: {last}")
+                if _refusal(response.status, answer):
+                    raise EtcdRefused(f"etcd store: {last}{_what_to_do(message)}")
             except (OSError, http.client.HTTPException) as error:
                 last = f"{host}:{port}: {type(error).__name__}: {error}"
                 connections.pop(endpoint).close()
@@ -362,6 +391,12 @@ class EtcdStore(dist.Store):
                 return new
 
 
+# Every beat is a revision etcd keeps until its history is compacted (3 ranks: ~15 revisions and ~2 KB a second), and
+# past its quota (--quota-backend-bytes, 2 GiB by default) etcd refuses every write. The members of every recipe
+# shipped keep the last five minutes of history; what was compacted away is reused, so the database stops growing.
+COMPACTION = ["--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m"]
+
+
 class LocalCluster:
     """An etcd cluster of ``members`` processes on this machine, one per emulated node (node ``i`` hosts member
     ``i``): the shape of a real deployment, where killing a node kills its member too. Used by the tests, the chaos
@@ -376,12 +411,14 @@ class LocalCluster:
         hosts: list[str] | None = None,
         spawn: Any = None,
         in_memory: bool = True,
+        options: list[str] | None = None,
     ):
         """``hosts``: member ``i``'s address (default: all on 127.0.0.1, on free ports; on hosts of their own, etcd's
         ports 2379 and 2380); ``spawn(i, command, **popen_kwargs)`` starts member ``i`` (default: here; e.g. inside
-        an emulated node, ``bench.netns.EmulatedNetwork.popen``)."""
+        an emulated node, ``bench.netns.EmulatedNetwork.popen``); ``options``: more of etcd's flags, for every
+        member."""
         os.makedirs(directory, exist_ok=True)
-        self.directory, self.members = directory, members
+        self.directory, self.members, self.options = directory, members, list(options or [])
         self.heartbeat_ms, self.election_ms, self.in_memory = heartbeat_ms, election_ms, in_memory
         self.hosts, self.local = hosts or ["127.0.0.1"] * members, not hosts
         self.spawn = spawn or (lambda i, command, **kwargs: subprocess.Popen(command, start_new_session=True, **kwargs))
@@ -424,7 +461,7 @@ class LocalCluster:
             "--initial-cluster-token", os.path.basename(self.directory.rstrip("/")) or "relaxsync",
             "--heartbeat-interval", str(self.heartbeat_ms), "--election-timeout", str(self.election_ms),
             "--enable-v2=true",  # (torchrun's etcd-v2 rendezvous speaks etcd's v2 API)
-            "--logger", "zap", "--log-level", "error",
+            *COMPACTION, "--logger", "zap", "--log-level", "error", *self.options,
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 30.0) -> LocalCluster:

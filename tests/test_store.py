@@ -20,7 +20,7 @@ from conftest import FAST, ROOT, records
 from test_scope import NODE_KILL
 
 from bench.netns import unavailable as netns_unavailable
-from distributed.etcd import EtcdStore, LocalCluster, parse, store_root
+from distributed.etcd import COMPACTION, EtcdRefused, EtcdStore, LocalCluster, parse, store_root
 
 # CI installs etcd-server (.ci/run) and then requires these tests to run
 pytestmark = pytest.mark.skipif(
@@ -42,6 +42,24 @@ def test_urls_name_their_members_and_bad_ones_say_what_is_expected():
             parse(bad)
     assert store_root({"TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_RESTART_COUNT": "2"}) == "r/restart2"
     assert store_root({"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "1"}) == "41/restart1"
+
+
+def test_a_full_database_is_reported_with_etcds_own_message_at_once(tmp_path):
+    """A member whose database reached its quota refuses every write ("mvcc: database space exceeded"): the store
+    says so at once, with etcd's message and what to do, never as a cluster out of reach or without a majority; the
+    members of every recipe compact their history (LocalCluster's, the sbatch example's)."""
+    quota = ["--quota-backend-bytes", str(1 << 20)]
+    with LocalCluster(str(tmp_path / "etcd"), members=1, options=quota) as small:
+        store = EtcdStore(parse(small.url)[0], "full")
+        start = time.monotonic()
+        with pytest.raises(EtcdRefused, match="database space exceeded.*etcdctl defrag") as refused:
+            for i in range(1000):
+                store.set(f"k{i}", "x" * 50_000)
+        assert time.monotonic() - start < 5 and "majority" not in str(refused.value)
+        assert store.get("k0") == b"x" * 50_000  # (reads go on)
+        assert all(flag in small.command(0) for flag in COMPACTION)
+    sbatch = (ROOT / "examples" / "slurm" / "train-any-node.sbatch").read_text()
+    assert "--auto-compaction-mode" in sbatch and "--auto-compaction-retention" in sbatch
 
 
 def test_the_store_has_tcpstores_semantics(cluster):
