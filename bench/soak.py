@@ -23,6 +23,9 @@ the last step completed before it and the first completed after, less the run's 
 the final top-1 against an undisturbed run of the same config and length at ``--nodes`` ranks, and the wall time;
 and how often the victim was the first node's slot, the logging rank (the lowest active one, which writes the
 records) and the etcd leader's node, with the standstill of those kills apart.
+With the store on etcd, each member's database size (in use, and on disk) is read every ``--db-every`` seconds
+(``db`` of each run): flat once the members' history is compacted (``distributed.etcd.COMPACTION``, five minutes
+kept), where without compaction it grows by every beat.
 Results: bench/results/soak.json and soak.md.
 """
 
@@ -40,6 +43,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -128,6 +132,21 @@ class Run:
         self._read = 0  # bytes of metrics.jsonl read
         self.injected: list[dict[str, Any]] = []  # every failure and join, with its wall time
         self.joiners: list[Any] = []
+        self.db: list[dict[str, Any]] = []  # the members' database sizes, sampled (etcd)
+        self._sampling = threading.Event()
+        if self.etcd is not None:
+            threading.Thread(target=self._sample_db, args=(args.db_every,), daemon=True).start()
+
+    def _sample_db(self, every_s: float) -> None:
+        """Every ``every_s``: each live member's database size, on disk and in use (etcd's status)."""
+        start = time.time()
+        while not self._sampling.wait(every_s):
+            for i in range(self.etcd.members):
+                with contextlib.suppress(Exception):  # (a member killed with its slot: back with the joiner)
+                    status = self.etcd._status(i)
+                    self.db.append({"t": round(time.time() - start, 1), "member": i, "revision":
+                                    int(status["header"]["revision"]), "db_size": int(status.get("dbSize", 0)),
+                                    "db_in_use": int(status.get("dbSizeInUse", 0))})  # fmt: skip
 
     def metrics(self) -> list[dict[str, Any]]:
         """The run's records so far, read from where the last call stopped (polled every 50 ms for an hour)."""
@@ -232,6 +251,7 @@ class Run:
         return self.admitted(spawned)
 
     def close(self) -> None:
+        self._sampling.set()
         for node in self.nodes:
             if node.poll() is None:
                 # Its workers first (a session of their own): with the agent gone, a worker still running waits in
@@ -292,7 +312,32 @@ def soak(sync: str, share: int, args: argparse.Namespace, workdir: Path, port: i
     row = analyse(run.metrics())
     row.update(sync=sync, failures=len([i for i in run.injected if i["kind"] != "join"]), wall_s=time.time() - started)
     row["victims"] = victims(run.injected, row.pop("pauses"))
+    if run.db:
+        row["db"] = run.db
+        row["db_in_use"] = db_summary(run.db)
     return row
+
+
+def db_summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The members' database in use (the largest member's) at 6 minutes (after the first compaction of five
+    minutes' history), at the end and at most after 6 minutes; and the growth per minute before and after."""
+    by_t: dict[float, int] = {}
+    for sample in samples:
+        by_t[sample["t"]] = max(by_t.get(sample["t"], 0), sample["db_in_use"])
+    times = sorted(by_t)
+    after = [t for t in times if t >= 360]
+
+    def rate(ts: list[float]) -> float | None:
+        return (by_t[ts[-1]] - by_t[ts[0]]) / ((ts[-1] - ts[0]) / 60) if len(ts) > 1 and ts[-1] > ts[0] else None
+
+    return {
+        "at_6min": by_t[after[0]] if after else None,
+        "end": by_t[times[-1]] if times else None,
+        "max_after_6min": max((by_t[t] for t in after), default=None),
+        "bytes_per_min_before": rate([t for t in times if t < 300]),
+        "bytes_per_min_after": rate(after),
+        "minutes": times[-1] / 60 if times else 0,
+    }
 
 
 def victims(injected: list[dict[str, Any]], pauses: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -384,6 +429,21 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{stats(standstill['join'])} | {r['top1']:.2f}% ({r['undisturbed_top1']:.2f}%) | "
             f"{r['wall_s'] / 60:.1f} min |"
         )
+    sized = [r for r in rows if r.get("db_in_use")]
+    if sized:
+        lines += ["", "The etcd members' database in use (the largest member's; kB):", "",
+                  "| sync | minutes read | at 6 min | at the end | most after 6 min | kB/min before 5 min "
+                  "| kB/min after 6 |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+
+        def kb(v: float | None) -> str:
+            return "–" if v is None else f"{v / 1000:.0f}"
+
+        for r in sized:
+            d = r["db_in_use"]
+            lines.append(f"| {r['sync']} | {d['minutes']:.1f} | {kb(d['at_6min'])} | {kb(d['end'])} | "
+                         f"{kb(d['max_after_6min'])} | {kb(d['bytes_per_min_before'])} | "
+                         f"{kb(d['bytes_per_min_after'])} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -406,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the run's store: an etcd cluster, a member per slot, every slot a victim (default where etcd is "
         "installed); or torch's, in node 0, which is then never failed",
     )  # fmt: skip
+    parser.add_argument("--db-every", type=float, default=15.0, help="seconds between reads of the members' size")
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument(

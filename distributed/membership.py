@@ -359,6 +359,21 @@ class Membership:
         retire(replaced + self._drop_ahead())
         return self.changes[-1]
 
+    def renew(self, agreed: dict[str, Any]) -> Change:
+        """Carry out an agreement that nobody is gone after a failure (``agreed["ranks"]`` empty: an alarm that found
+        every rank alive): the same ranks, a new generation (what the alarm woke stays in the old one) and a new
+        group, the replaced ones aborted first (a collective of theirs may be cut short on some ranks only)."""
+        with self._ahead_lock:
+            self.generation += 1
+        replaced = [g for g in (self.group, *self._subgroups) if g is not None and g is not dist.group.WORLD]
+        self.group, self._subgroups = None, []
+        self.changes.append(Change(self.generation, [], list(self.ranks), agreed["cause"]))
+        for group in replaced:
+            self._abort(group)
+        self.group = self.form(list(self.ranks))
+        retire(replaced + self._drop_ahead())
+        return self.changes[-1]
+
     # ---- groups formed ahead of a removal ---------------------------------------------------------------------
     def prepare(self, ranks: list[int], generation: int) -> None:
         """From any thread: form, in a thread of its own, the group that ``ranks`` would have after the next change

@@ -499,3 +499,36 @@ def auto_switch_walk(cfg: dict, run_dir: str) -> None:
     if trainer.rank == 0:
         with open(f"{run_dir}/switches.json", "w") as f:
             json.dump(log, f)
+
+
+@record
+def spurious_failure(cfg: dict, run_dir: str) -> None:
+    """A real run in which rank 1 raises, once, a ``RuntimeError`` as a failed collective does, in the part of the
+    loop ``$SPURIOUS_PHASE`` names (step, exchange, evaluation, checkpoint, epoch boundary) at step 5 or after, with
+    every rank alive: an alarm that finds nobody gone."""
+    from engine.loop import Trainer
+
+    trainer = Trainer(cfg, run_dir)
+    phase, fired = os.environ["SPURIOUS_PHASE"], []
+
+    def once(original, when=lambda *a: True):
+        def part(*args, **kwargs):
+            if not fired and trainer.step >= 5 and when(*args):
+                fired.append(trainer.step)
+                raise RuntimeError(f"a collective of rank 1 failed on its own ({phase})")
+            return original(*args, **kwargs)
+
+        return part
+
+    if trainer.rank == 1:
+        if phase == "step":
+            trainer.sync.before_step = once(trainer.sync.before_step)
+        elif phase == "exchange":
+            trainer.sync.after_optimizer_step = once(trainer.sync.after_optimizer_step)
+        elif phase == "evaluation":
+            trainer.evaluate = once(trainer.evaluate)
+        elif phase == "checkpoint":
+            trainer.save_checkpoint = once(trainer.save_checkpoint)
+        elif phase == "epoch boundary":
+            trainer.sync.on_epoch_start = once(trainer.sync.on_epoch_start)
+    _fit(trainer)

@@ -515,17 +515,22 @@ def _two_ranks_on_one_store(hang_timeout_s: float):
     [torch.distributed.DistBackendError("NCCL communicator was aborted on rank 0."), RuntimeError("CUDA error")],
     ids=["DistBackendError", "RuntimeError"],
 )
-def test_when_no_peer_is_gone_the_error_is_raised_again_as_it_was(error):
-    """Rank 1 beats and saw the failure too: nobody is gone, so rank 0 raises its own error again, itself, not a
-    report that the store is unreachable (an NCCL error is a DistError, as the store's are)."""
+def test_when_no_peer_is_gone_at_a_part_regrouped_too_often_the_error_is_raised_again_as_it_was(error):
+    """Rank 1 beats and saw the failure too: nobody is gone. The same ranks regroup and redo the part, a few times
+    at most at one part of one step (tests/test_strangers.py: a run survives one); past that, rank 0 raises its own
+    error again, itself, with a note, not a report that the store is unreachable (an NCCL error is a DistError, as
+    the store's are)."""
+    from engine.elastic.failures import RENEWALS
     from engine.elastic.positions import Phase, Position
 
     failures, store, done = _two_ranks_on_one_store(hang_timeout_s=5)
     try:
         failures._check_in(0, 1, "hung")  # rank 1 saw the failure too
+        failures.renewals[(3, Phase.STEP.value)] = RENEWALS  # (regrouped there as often as it may be)
         with pytest.raises(type(error)) as raised:
             failures.recover(error, Position(3, Phase.STEP))
         assert raised.value is error
+        assert any(f"the {RENEWALS} regroups at the step of step 3" in n for n in error.__notes__)
     finally:
         done.set()
 

@@ -209,3 +209,26 @@ def test_ranks_holding_different_secrets_stop_at_once_saying_why(tmp_path):
     loose.chmod(0o644)
     with pytest.raises(SecretError, match="chmod 600"):
         run_secret(str(tmp_path), str(loose))
+
+
+@pytest.mark.parametrize("phase", ["step", "exchange", "evaluation", "checkpoint", "epoch boundary"])
+def test_a_failure_that_finds_every_rank_alive_is_survived_by_a_regroup(tmp_path, monkeypatch, phase):
+    """Rank 1 raises, once, what a failed collective raises, with every rank alive (a spurious alarm: before, the
+    run ended): the three ranks agree that nobody is gone, regroup, redo the part and finish, every step once, a
+    ``regrouped`` event and no rank lost."""
+    from _workers import spurious_failure
+    from conftest import records, train
+
+    monkeypatch.setenv("SPURIOUS_PHASE", phase)
+    steps = 12
+    _, metrics = train(
+        tmp_path, *FAST, "trainer.nproc=3", "trainer.on_failure=continue", "trainer.epochs=2", "data.num_samples=144",
+        "data.batch_size=8", "data.image_size=16", "trainer.eval_every_steps=6", "trainer.checkpoint_every_steps=6",
+        entrypoint=spurious_failure,
+    )  # fmt: skip
+    (summary,) = records(metrics, "summary")
+    assert summary["finished"] and summary["world_size"] == 3 and summary["lost_ranks"] == []
+    assert [r["step"] for r in records(metrics, "train")] == list(range(steps))
+    regrouped = [r for r in metrics if r.get("event") == "regrouped"]
+    assert len(regrouped) == 1 and regrouped[0]["cause"] == "nobody gone" and regrouped[0]["world_size"] == 3
+    assert not [r for r in metrics if r.get("event") == "rank_lost"]

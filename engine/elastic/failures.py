@@ -66,6 +66,11 @@ from engine.elastic.positions import Position, left_behind
 from engine.elastic.wide import DECIDERS, WideAgreement, gather_positions, wide
 
 TIMED_OUT = re.compile(r"timed out", re.IGNORECASE)
+# An agreement that nobody is gone (an alarm that found every rank alive: a collective that failed on its own, a
+# flapping link) is survived by regrouping the same ranks and redoing the part; at one part of one step no more
+# than this many times, after which the error is this run's own and is raised.
+RENEWALS = 3
+NOBODY_GONE = "nobody gone"
 # What a survivor reads when the peer's process is gone (gloo; NCCL's ncclRemoteError): the loss is "died";
 # any other failure of a collective is counted "hung" unless another survivor saw one of these.
 DIED = re.compile(r"connection (closed|reset) by peer|broken pipe|remote process exiting prematurely", re.IGNORECASE)
@@ -131,6 +136,7 @@ class Failures:
 
     def __init__(self, membership: Membership, hang_timeout_s: float):
         self.membership, self.hang_timeout_s = membership, hang_timeout_s
+        self.renewals: dict[tuple[int, str], int] = {}  # (step, phase) -> regroups there with nobody gone
         self.heartbeat = Heartbeat(
             membership, lambda store, generation: board.count(store, self._key(generation, "in"))
         )
@@ -145,9 +151,11 @@ class Failures:
 
     def recover(self, error: BaseException, at: Position) -> Recovery:
         """Collective over the ranks still alive, after ``error`` (a part that failed, :func:`may_be_a_loss`) at
-        ``at``. Returns what was agreed; raises ``LeftRun`` on a rank that was removed, ``error`` again, as it was,
-        when no peer is gone, and the error of the store or of the new group when another survivor is lost while
-        they agree (the caller agrees again, over who is left)."""
+        ``at``. Returns what was agreed (with nobody gone, every rank there: the same ranks in a new group, a
+        ``regrouped`` event; :data:`RENEWALS` times at most at one part of one step); raises ``LeftRun`` on a rank
+        that was removed, ``error`` again, as it was, when a peer kept beating without reaching the failure or the
+        same part was regrouped too often, and the error of the store or of the new group when another survivor is
+        lost while they agree (the caller agrees again, over who is left)."""
         try:
             recovery = self._recover(error, at)
         except dist.DistError as store_error:
@@ -198,11 +206,21 @@ class Failures:
                 "ahead": m.ready([r for r in m.ranks if r not in gone]),  # (the survivors' group is formed already)
             }
             agreed = m.propose(self._name(generation, "decision"), proposal)
-        if not agreed["ranks"]:
-            return None
-        what = f"as {agreed['cause']} at step {agreed['step']}"
-        change = m.adopt(agreed, {r: f"was removed from the run {what}" for r in agreed["ranks"]}, abort_replaced=True)
-        assert change is not None  # adopt raises on a removed rank, and the agreed ranks were active
+        if not agreed["ranks"]:  # (every rank checked in, none silent, none ended: the same ranks go on)
+            place = (at.step, at.phase.value)
+            self.renewals[place] = self.renewals.get(place, 0) + 1
+            if self.renewals[place] > RENEWALS:
+                error.add_note(
+                    f"relaxsync: every rank was still there after this failure, and the {RENEWALS} regroups at the "
+                    f"{at.phase.value} of step {at.step} before it failed the same way"
+                )
+                return None
+            change = m.renew({**agreed, "cause": NOBODY_GONE})
+        else:
+            what = f"as {agreed['cause']} at step {agreed['step']}"
+            reasons = {r: f"was removed from the run {what}" for r in agreed["ranks"]}
+            change = m.adopt(agreed, reasons, abort_replaced=True)
+            assert change is not None  # adopt raises on a removed rank, and the agreed ranks were active
         if large:  # (in the new group: a thousand survivors do not each write to the store and read every other)
             where = gather_positions(m.group, at, m.wait)
         else:
@@ -210,10 +228,10 @@ class Failures:
         # Every survivor read the same positions, so all agree on the front and on who is healed from it.
         front, behind = left_behind(where)
         event = {
-            "event": "rank_lost",
+            "event": "rank_lost" if change.removed else "regrouped",
             "ranks": change.removed,
             "caught_up": behind,  # alive, one collective short of the others: healed from the front
-            "cause": agreed["cause"],
+            "cause": change.cause,
             "failed_step": agreed["step"],
             "failed_at": agreed["time"],  # wall clock when the first survivor proposed the removal
             "formed_ahead": bool(agreed.get("ahead")),  # the survivors' group was formed before the failure

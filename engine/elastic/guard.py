@@ -141,7 +141,8 @@ class SurvivingGuard:
         """Recover from ``error`` if it may be a loss (else raise it). Another peer lost during the recovery (while
         the survivors agree, form their group, follow the change or heal) is a failure of the recovery like any
         other: they agree again, over who is left, and each loss is written once. An error after which they agree
-        that nobody is gone (``recover`` raises it again) is this rank's own, and is raised."""
+        that nobody is gone is survived by regrouping the same ranks, a few times at one part at most; past that
+        (``recover`` raises it again) it is this rank's own, and is raised."""
         self._named = self.failures.membership.generation  # (the changes before this failure were named already)
         while True:
             if not (may_be_a_loss(error) or self._alarm_rang()):
@@ -179,9 +180,11 @@ class SurvivingGuard:
         if recovery.behind:
             healed = f"; rank(s) {recovery.behind} were a collective behind: they take rank {recovery.source}'s state"
         going_on = len(recovery.change.ranks)
+        who = f"rank(s) {removed} {event['cause']}" if removed else "a collective failed with every rank still there"
+        regroup = "go on" if removed else "regroup"
         host.recorder.console(
-            f"relaxsync: rank(s) {removed} {event['cause']} at step {event['failed_step']}; "
-            f"{going_on} ranks go on and redo the {event['redo']} of step {recovery.front.step}{healed}"
+            f"relaxsync: {who} at step {event['failed_step']}; "
+            f"{going_on} ranks {regroup} and redo the {event['redo']} of step {recovery.front.step}{healed}"
         )
         host.apply(SyncReport(), epoch)  # the algorithm answers the change (on_membership_change)
         snapshot = self.failures.heal(recovery, lambda behind: self._snapshot(behind, recovery.front))
