@@ -426,7 +426,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['sync']} | {r['survived']} of {r['failures']} ({r['kills']} + {r['hangs']}) | {r['joins']} | "
             f"{r['lost_steps']} | {stats(standstill['kill'])} | {stats(standstill['hang'])} | "
-            f"{stats(standstill['join'])} | {r['top1']:.2f}% ({r['undisturbed_top1']:.2f}%) | "
+            f"{stats(standstill['join'])} | {r['top1']:.2f}% ({r.get('undisturbed_top1', float('nan')):.2f}%) | "
             f"{r['wall_s'] / 60:.1f} min |"
         )
     sized = [r for r in rows if r.get("db_in_use")]
@@ -466,6 +466,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the run's store: an etcd cluster, a member per slot, every slot a victim (default where etcd is "
         "installed); or torch's, in node 0, which is then never failed",
     )  # fmt: skip
+    parser.add_argument(
+        "--undisturbed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also train each run undisturbed, for its top-1 (as long again)",
+    )
     parser.add_argument("--db-every", type=float, default=15.0, help="seconds between reads of the members' size")
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--out", default=str(RESULTS))
@@ -491,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         share = math.ceil(left / (len(syncs) - i))
         print(f"bench.soak: {sync}, {share} failures (run dir {workdir / sync})", flush=True)
         row = soak(sync, share, args, workdir, args.port + i, ctx)
-        if "error" not in row:
+        if "error" not in row and args.undisturbed:
             row["undisturbed_top1"] = undisturbed(sync, args, workdir)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "standstill_s"}), flush=True)
@@ -505,7 +511,7 @@ def report(workdir: Path, out: Path, command: str) -> int:
     rows = []
     for row in old["rows"]:
         if "error" not in row:
-            kept = {k: row[k] for k in ("sync", "failures", "wall_s", "undisturbed_top1")}
+            kept = {k: row[k] for k in ("sync", "failures", "wall_s", "undisturbed_top1") if k in row}
             row = {**kept, **analyse(read_metrics(str(workdir / row["sync"] / "metrics.jsonl")))}
         rows.append(row)
     write({"command": old["command"], "analysed_by": command, "wall_s": old["wall_s"]}, rows, out)
