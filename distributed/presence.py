@@ -411,7 +411,7 @@ class Presence:
                 return
             theirs, mine = so_far[len(MAGIC) :], os.urandom(NONCE_BYTES)
             try:
-                sock.send(mine + _mac(self.secret, b"accept", theirs, mine))  # (64 bytes: the buffer takes them)
+                sock.send(mine + _mac(self.secret, b"accept", theirs, mine))  # (48 bytes: the buffer takes them)
             except OSError:
                 del self._greeting[sock]
                 self._reject(sock)
