@@ -252,6 +252,19 @@ class EtcdStore(dist.Store):
         finally:
             connection.close()
 
+    def forget_run(self) -> int:
+        """Delete every key of this store's run (its data, markers and boards), at the run's clean end: a run that
+        ended leaves nothing in the cluster. Returns how many keys went."""
+        prefix = f"/relaxsync/{self.root}/".encode()
+        answer = self._call("kv/deleterange", {"key": _b64(prefix), "range_end": _b64(_range_end(prefix))})
+        return int(answer.get("deleted", 0))
+
+    def count_keys(self, prefix: str = "") -> int:
+        """How many keys the cluster holds under ``/relaxsync/<prefix>``."""
+        k = f"/relaxsync/{prefix}".encode()
+        answer = self._call("kv/range", {"key": _b64(k), "range_end": _b64(_range_end(k)), "count_only": True})
+        return int(answer.get("count", 0))
+
     # -- the Store API -----------------------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
         self._call("kv/put", {"key": _b64(self._key(key)), "value": _b64(_bytes(value))})

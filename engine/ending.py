@@ -3,11 +3,13 @@ process groups closed (:func:`close`)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from distributed.etcd import EtcdStore
 from distributed.membership import retire
 from engine.elastic.positions import Phase, Site
 from engine.evaluate import reached_target
@@ -66,12 +68,26 @@ def finish(host: Host, train_s: float, spread: Callable[[], Any]) -> dict[str, A
     return summary
 
 
+def lights_out(membership: Any) -> None:
+    """At a planned end, on a run whose store is an etcd cluster: the last active rank to get here (its heartbeat
+    stopped, as every one before it) deletes the run's keys. A failure leaves them, for whoever looks into it; the
+    members' compaction bounds what they hold meanwhile."""
+    store = membership.store
+    if not isinstance(store, EtcdStore):
+        return
+    with contextlib.suppress(Exception):  # (the cluster gone: nothing to delete, or to delete from)
+        if store.add(membership.key("closed"), 1) >= len(membership.ranks):
+            store.forget_run()
+
+
 def close(host: Closing, left: bool = False, planned: bool = True) -> None:
     """Close files; a rank that ``left`` the run never touches a process group again. After a loss the groups are
     aborted: destroying one waits for what it queued, on NCCL maybe for the lost rank, forever. ``planned``: this
     process ends on purpose (the others are told; an end on an error is a loss to them)."""
     host.elastic.stop(planned)
     host.membership.cancel_ahead()  # (after the heartbeat, which prepares them, has stopped)
+    if planned and not left:
+        lights_out(host.membership)
     host.recorder.close(left)
     if not left and dist.is_initialized():
         (dist.distributed_c10d._abort_process_group if host.elastic.lost_ranks else dist.destroy_process_group)()

@@ -62,6 +62,21 @@ def test_a_full_database_is_reported_with_etcds_own_message_at_once(tmp_path):
     assert "--auto-compaction-mode" in sbatch and "--auto-compaction-retention" in sbatch
 
 
+def test_a_run_that_ends_cleanly_leaves_no_key_in_the_cluster(cluster, tmp_path):
+    """Two local ranks under on_failure=continue with their store on etcd: while they train the cluster holds their
+    beats, decisions and groups' keys; once the run has ended, none (the last rank to close deletes them)."""
+    from conftest import train
+
+    probe = EtcdStore(parse(cluster.url)[0], "probe")
+    before = probe.count_keys()
+    summary, _ = train(
+        tmp_path / "run", *FAST, "trainer.nproc=2", "trainer.on_failure=continue", "trainer.max_steps=4",
+        f"trainer.store='{cluster.url}'",
+    )  # fmt: skip
+    assert summary["finished"] and summary["world_size"] == 2
+    assert probe.count_keys() == before  # (LocalCluster's own key; the run's are gone)
+
+
 def test_the_store_has_tcpstores_semantics(cluster):
     s = EtcdStore.from_url(cluster.url, "semantics", datetime.timedelta(seconds=1))
     s.set("a", "x")
