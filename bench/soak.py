@@ -144,9 +144,12 @@ class Run:
             for i in range(self.etcd.members):
                 with contextlib.suppress(Exception):  # (a member killed with its slot: back with the joiner)
                     status = self.etcd._status(i)
-                    self.db.append({"t": round(time.time() - start, 1), "member": i, "revision":
-                                    int(status["header"]["revision"]), "db_size": int(status.get("dbSize", 0)),
-                                    "db_in_use": int(status.get("dbSizeInUse", 0))})  # fmt: skip
+                    sample = {"t": round(time.time() - start, 1), "member": i, "revision":
+                              int(status["header"]["revision"]), "db_size": int(status.get("dbSize", 0)),
+                              "db_in_use": int(status.get("dbSizeInUse", 0))}  # fmt: skip
+                    self.db.append(sample)
+                    with open(self.run_dir / "etcd-db.jsonl", "a") as f:  # (kept if the soak is cut short)
+                        f.write(json.dumps(sample) + "\n")
 
     def metrics(self) -> list[dict[str, Any]]:
         """The run's records so far, read from where the last call stopped (polled every 50 ms for an hour)."""
