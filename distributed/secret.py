@@ -34,7 +34,8 @@ class SecretError(RuntimeError):
     """The run's secret cannot be read, or the ranks do not hold the same one."""
 
 
-def _read(path: str) -> bytes:
+def read_secret(path: str) -> bytes:
+    """The secret in ``path``: refused when others may read the file, or when it is shorter than 16 bytes."""
     info = os.stat(path)
     if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise SecretError(
@@ -70,12 +71,12 @@ def make(run_dir: str) -> str:
 def run_secret(run_dir: str, secret_file: str | None = None) -> bytes:
     """This rank's copy of the run's secret (the module's doc says where it comes from)."""
     if secret_file:
-        return _read(secret_file)
+        return read_secret(secret_file)
     path = make(run_dir)
     deadline = time.monotonic() + WAIT_S
     while True:
         try:
-            return _read(path)
+            return read_secret(path)
         except FileNotFoundError:
             if time.monotonic() > deadline:
                 raise SecretError(f"{path}: the run's secret did not appear in {WAIT_S:.0f} s") from None

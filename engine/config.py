@@ -190,10 +190,10 @@ def validate(cfg: dict[str, Any]) -> None:
         )
     secret_file = t.get("secret_file")
     if secret_file is not None:
-        from distributed.secret import SecretError, _read
+        from distributed.secret import SecretError, read_secret
 
         try:
-            problem = "" if isinstance(secret_file, str) and _read(secret_file) else "not a path"
+            problem = "" if isinstance(secret_file, str) and read_secret(secret_file) else "not a path"
         except (OSError, SecretError) as error:
             problem = str(error)
         _check(not problem, "trainer.secret_file", secret_file, f"null or a file of the run's secret ({problem})")

@@ -232,3 +232,20 @@ def test_a_failure_that_finds_every_rank_alive_is_survived_by_a_regroup(tmp_path
     regrouped = [r for r in metrics if r.get("event") == "regrouped"]
     assert len(regrouped) == 1 and regrouped[0]["cause"] == "nobody gone" and regrouped[0]["world_size"] == 3
     assert not [r for r in metrics if r.get("event") == "rank_lost"]
+
+
+def test_a_secret_file_others_may_read_or_that_does_not_exist_is_refused_before_any_worker_starts(tmp_path):
+    from conftest import plain_cfg
+
+    from errors import ConfigError
+
+    loose = tmp_path / "loose"
+    loose.write_text("x" * 64)
+    loose.chmod(0o644)
+    for path, why in ((loose, "chmod 600"), (tmp_path / "none", "No such file")):
+        with pytest.raises(ConfigError, match=f"trainer.secret_file=.*{why}"):
+            plain_cfg("trainer.on_failure=continue", f"trainer.secret_file={path}")
+    kept = tmp_path / "kept"
+    kept.write_text("y" * 64)
+    kept.chmod(0o600)
+    assert plain_cfg(f"trainer.secret_file={kept}")["trainer"]["secret_file"] == str(kept)
