@@ -160,7 +160,7 @@ def real_images(a: Any, result: dict[str, Any], work: Path, overrides: list[str]
 
     folder = work / "jpegs"
     write_tree(folder, a.images)
-    base = [o for o in overrides if not o.startswith(("data", "data."))]
+    base = [o for o in overrides if not o.startswith("data")]
     decodes = [d for d in a.real_decodes.split(",") if d] if device == "cuda" else ["cpu"]  # (no GPU: the CPU's)
     for decode in decodes:
         run = [*base, "data=imagefolder", f"data.root={folder}", f"data.decode={decode}", f"data.image_size={size}",

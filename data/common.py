@@ -280,6 +280,5 @@ class Loaders:
         sample, stage = self.data.train[0], self.stages["train"]
         if stage is not None:
             return stage(self.data.train.collate_fn([sample] * batch_size))
-        x, y = sample
-        x = torch.as_tensor(x).unsqueeze(0).expand(batch_size, *torch.as_tensor(x).shape).contiguous()
-        return self.transfer(x, torch.full((batch_size,), int(y)))
+        x, y = torch.as_tensor(sample[0]), torch.full((batch_size,), int(sample[1]))
+        return self.transfer(x.unsqueeze(0).expand(batch_size, *x.shape).contiguous(), y)
