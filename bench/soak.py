@@ -97,8 +97,8 @@ class Run:
         self.overrides = [*overrides(sync, args), f"trainer.run_dir={self.run_dir}"]
         self.etcd: LocalCluster | None = None
         if args.store == "etcd":
-            self.etcd = LocalCluster(str(workdir / f"{sync}-etcd"), members=args.nodes).start()
-            self.overrides.append(f"trainer.store='{self.etcd.url}'")
+            self.etcd = LocalCluster(str(workdir / f"{sync}-etcd"), members=args.nodes, tls=True).start()
+            self.overrides += self.etcd.overrides()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             env.pop(key, None)
@@ -113,7 +113,7 @@ class Run:
                     f"is_host={int(node == 0)}",
                 ]
             else:
-                rendezvous = ["etcd-v2", "--rdzv-endpoint", self.etcd.endpoint(node)]
+                rendezvous = self.etcd.rendezvous(node)
             launcher = [
                 TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "0", "--monitor-interval", "0.5",
                 "--rdzv-id", sync, "--rdzv-backend", *rendezvous,

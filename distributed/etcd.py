@@ -21,14 +21,20 @@ transaction, and a retry whose comparison fails reads that marker to learn wheth
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime
+import functools
 import http.client
+import ipaddress
 import itertools
 import json
 import os
 import shutil
 import socket
+import ssl
+import stat
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -38,6 +44,9 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 SCHEME = "etcd://"
+TLS_SCHEME = "etcds://"  # the members' client URLs are https://, and each client shows a certificate of the run's CA
+TLS_KEYS = ("trainer.store_tls.ca", "trainer.store_tls.cert", "trainer.store_tls.key")
+TLS_ENV = "RELAXSYNC_STORE_TLS"  # trainer.store_tls (JSON), for every part of a worker that opens the run's store
 DEFAULT_PORT = 2379
 ATTEMPT_S = 2.0  # one request to one member; etcd answers a write within its election time or says why not
 # A heartbeat's request to one member (EtcdStore.hurried): a member that is restarting, catching up or without a leader
@@ -58,10 +67,15 @@ _KEPT: list[EtcdStore] = []  # clones, alive with the process (EtcdStore.clone)
 
 
 def parse(url: str) -> tuple[list[tuple[str, int]], str]:
-    """``etcd://host[:port],host[:port],.../name`` -> the members' (host, port) and the run's name (may be "")."""
-    if not url.startswith(SCHEME):
-        raise ValueError(f"trainer.store={url!r}: expected {SCHEME}host:port,host:port,... (etcd's client URLs)")
-    where, _, name = url[len(SCHEME) :].partition("/")
+    """``etcd://host[:port],host[:port],.../name`` (or ``etcds://``) -> the members' (host, port) and the run's
+    name (may be "")."""
+    scheme = next((s for s in (SCHEME, TLS_SCHEME) if url.startswith(s)), None)
+    if scheme is None:
+        raise ValueError(
+            f"trainer.store={url!r}: expected {SCHEME}host:port,host:port,... (etcd's client URLs; "
+            f"{TLS_SCHEME}... with TLS)"
+        )
+    where, _, name = url[len(scheme) :].partition("/")
     endpoints = []
     for part in filter(None, where.split(",")):
         parsed = urlparse(f"//{part}")
@@ -75,6 +89,78 @@ def parse(url: str) -> tuple[list[tuple[str, int]], str]:
     if not endpoints:
         raise ValueError(f"trainer.store={url!r}: no etcd member given ({SCHEME}host:port,host:port,...)")
     return endpoints, name.strip("/")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tls:
+    """A client's TLS for an etcd cluster that requires it (``etcds://``): the CA that signed the members'
+    certificates, and this client's certificate and key, which the members check (``--client-cert-auth``)."""
+
+    ca: str
+    cert: str
+    key: str
+
+    @classmethod
+    def from_config(
+        cls,
+        ca: Any,
+        cert: Any,
+        key: Any,
+        names: tuple[str, str, str] = ("store_tls.ca", "store_tls.cert", "store_tls.key"),
+    ) -> Tls | None:
+        """The three files, each checked (readable; the key readable by its owner only); None where none is given.
+        ``ValueError`` names the key (``names``: what the user calls them) and the file."""
+        given = dict(zip(names, (ca, cert, key)))
+        if all(v in (None, "") for v in given.values()):
+            return None
+        for name, path in given.items():
+            if not isinstance(path, str) or not path:
+                raise ValueError(f"{name}={path!r}: the CA, certificate and key files go together (paths)")
+            if not os.path.isfile(path) or not os.access(path, os.R_OK):
+                raise ValueError(f"{name}={path!r}: no readable file there")
+        mode = os.stat(key).st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ValueError(f"{names[2]}={key!r}: others may read it (mode {stat.S_IMODE(mode):o}): chmod 600 {key}")
+        return cls(os.path.abspath(ca), os.path.abspath(cert), os.path.abspath(key))
+
+    @classmethod
+    def from_environ(cls) -> Tls | None:
+        """What :meth:`to_environ` put in this process's environment (its launcher's, inherited)."""
+        given = os.environ.get(TLS_ENV)
+        return cls(**json.loads(given)) if given else None
+
+    def encoded(self) -> str:
+        """What :data:`TLS_ENV` holds for it."""
+        return json.dumps(dataclasses.asdict(self))
+
+    def to_environ(self) -> None:
+        os.environ[TLS_ENV] = self.encoded()
+
+    def context(self) -> ssl.SSLContext:
+        try:
+            context = ssl.create_default_context(cafile=self.ca)
+            context.load_cert_chain(self.cert, self.key)
+        except (ssl.SSLError, OSError) as error:
+            files = f"the CA {self.ca}, certificate {self.cert}, key {self.key}"
+            raise ValueError(f"etcd store TLS: {files}: {error}") from None
+        return context
+
+
+_CONTEXTS: dict[Tls, ssl.SSLContext] = {}
+
+
+def _connect(host: str, port: int, tls: Tls | None, timeout: float) -> http.client.HTTPConnection:
+    if tls is None:
+        return http.client.HTTPConnection(host, port, timeout=timeout)
+    if tls not in _CONTEXTS:
+        _CONTEXTS[tls] = tls.context()
+    return http.client.HTTPSConnection(host, port, timeout=timeout, context=_CONTEXTS[tls])
+
+
+def _drop(connections: dict[Any, http.client.HTTPConnection], endpoint: Any) -> None:
+    connection = connections.pop(endpoint, None)
+    if connection is not None:
+        connection.close()
 
 
 def _b64(data: bytes) -> str:
@@ -106,6 +192,12 @@ def _refusal(status: int, answer: dict[str, Any]) -> bool:
     return status in REFUSED_STATUSES or answer.get("code") in REFUSED_CODES
 
 
+def _tls_hint(tls: Tls | None) -> str:
+    if tls is None:
+        return f" (if the members require TLS: {TLS_SCHEME}... with trainer.store_tls)"
+    return f" (if they refuse this client's certificate: is {tls.cert} signed by the CA the members trust?)"
+
+
 def _what_to_do(message: str) -> str:
     if "database space exceeded" in message:
         return (
@@ -126,28 +218,47 @@ class EtcdStore(dist.Store):
         timeout: datetime.timedelta = datetime.timedelta(seconds=300),
         reach_s: float = REACH_S,
         attempt_s: float = ATTEMPT_S,
+        ttl_s: int | None = None,
+        tls: Tls | None = None,
+        first: int | None = None,
     ):
+        """``ttl_s``: every key this client writes lives at least ``ttl_s / 2`` and at most ``ttl_s`` seconds
+        after its last write (an etcd lease, granted anew each half-life), for keys that no one deletes at the
+        end (a rendezvous outlives every agent that could); None: until deleted."""
         super().__init__()  # (pybind's trampoline)
         self.endpoints, self.root, self.reach_s = list(endpoints), root.strip("/"), reach_s
-        self.attempt_s = attempt_s
+        self.attempt_s, self.ttl_s, self.tls = attempt_s, ttl_s, tls
+        self._lease: tuple[str, float] | None = None  # (id, when granted)
         self._data = f"/relaxsync/{self.root}/k/".encode()
         self._marks = f"/relaxsync/{self.root}/m/".encode()
         self._boards = f"/relaxsync/{self.root}/b/".encode()
         self._client, self._seq = uuid.uuid4().hex[:12], itertools.count(1)
-        self._at = int(self._client, 16) % len(self.endpoints)  # the member asked first: the processes spread over all
+        self._at = int(self._client, 16) % len(self.endpoints) if first is None else first
         self.set_timeout(timeout)
 
     @classmethod
-    def from_url(cls, url: str, root: str, timeout: datetime.timedelta | None = None) -> EtcdStore:
-        """The store at ``url`` (``etcd://...``; a name after the members goes before ``root``)."""
+    def from_url(
+        cls, url: str, root: str, timeout: datetime.timedelta | None = None, tls: Tls | None = None
+    ) -> EtcdStore:
+        """The store at ``url`` (``etcd://...``, or ``etcds://...`` with the TLS files of ``tls`` or of this
+        process's environment, :data:`TLS_ENV`; a name after the members goes before ``root``)."""
         endpoints, name = parse(url)
-        return cls(endpoints, f"{name}/{root}" if name else root, timeout or datetime.timedelta(seconds=300))
+        if url.startswith(TLS_SCHEME):
+            tls = tls or Tls.from_environ()
+            if tls is None:
+                raise ValueError(f"trainer.store={url!r}: {TLS_SCHEME} needs trainer.store_tls (ca, cert, key)")
+        else:
+            tls = None
+        root = f"{name}/{root}" if name else root
+        return cls(endpoints, root, timeout or datetime.timedelta(seconds=300), tls=tls)
 
     def clone(self) -> EtcdStore:
         """The same store (for another thread: connections are per thread anyway). A clone is kept alive with the
         process: c10d holds a store handed to it (a ``PrefixStore`` of it, a group formed over it) without holding
         its Python half, which a clone only referenced there would lose. A clone holds no connection."""
-        twin = EtcdStore(self.endpoints, self.root, self.timeout, self.reach_s, self.attempt_s)
+        twin = EtcdStore(
+            self.endpoints, self.root, self.timeout, self.reach_s, self.attempt_s, self.ttl_s, self.tls, self._at
+        )
         _KEPT.append(twin)
         return twin
 
@@ -159,8 +270,11 @@ class EtcdStore(dist.Store):
         return twin
 
     def __repr__(self) -> str:
-        members = ",".join(f"{h}:{p}" for h, p in self.endpoints)
-        return f"EtcdStore({SCHEME}{members}, root={self.root!r})"
+        return f"EtcdStore({self.url}, root={self.root!r})"
+
+    @property
+    def url(self) -> str:
+        return (TLS_SCHEME if self.tls else SCHEME) + ",".join(f"{h}:{p}" for h, p in self.endpoints)
 
     # -- one request -------------------------------------------------------------------------------------------
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -168,12 +282,13 @@ class EtcdStore(dist.Store):
         ``reach_s`` without an answer."""
         payload = json.dumps(body).encode()
         deadline, tried, last = time.monotonic() + self.reach_s, 0, "no answer"
-        connections: dict[tuple[str, int], http.client.HTTPConnection] = _THREAD.__dict__.setdefault("c", {})
+        connections: dict[Any, http.client.HTTPConnection] = _THREAD.__dict__.setdefault("c", {})
         while True:
-            host, port = endpoint = self.endpoints[self._at]
+            host, port = self.endpoints[self._at]
+            endpoint = (host, port, self.tls)
             try:
                 if endpoint not in connections:
-                    connections[endpoint] = http.client.HTTPConnection(host, port, timeout=self.attempt_s)
+                    connections[endpoint] = _connect(host, port, self.tls, self.attempt_s)
                 connection = connections[endpoint]
                 connection.timeout = self.attempt_s  # (this client's: threads share a connection per member)
                 if connection.sock is not None:
@@ -186,25 +301,45 @@ class EtcdStore(dist.Store):
                 answer = json.loads(data) if data.startswith(b"{") else {}
                 message = answer.get("message") or answer.get("error") or data[:200].decode(errors="replace")
                 last = f"{host}:{port} answered {response.status}: {message}"
+                if response.status == 400 and b"HTTPS" in data and self.tls is None:
+                    raise EtcdRefused(f"etcd store: {host}:{port} requires TLS: {TLS_SCHEME} with trainer.store_tls")
                 if response.status == 400:  # (a request etcd cannot parse: ours, not the cluster's)
                     raise ValueError(f"etcd store: {last}")
                 if _refusal(response.status, answer):
                     raise EtcdRefused(f"etcd store: {last}{_what_to_do(message)}")
+            except ssl.SSLError as error:
+                _drop(connections, endpoint)
+                if not isinstance(error, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)):
+                    # (a certificate refused either way, or TLS against plain HTTP: every member would answer so)
+                    raise EtcdRefused(f"etcd store: {host}:{port} refused TLS: {error}{_tls_hint(self.tls)}") from None
+                last = f"{host}:{port}: {type(error).__name__}: {error}"
             except (OSError, http.client.HTTPException) as error:
                 last = f"{host}:{port}: {type(error).__name__}: {error}"
-                connections.pop(endpoint).close()
+                _drop(connections, endpoint)
             self._at, tried = (self._at + 1) % len(self.endpoints), tried + 1
             if time.monotonic() >= deadline:
-                members = ",".join(f"{h}:{p}" for h, p in self.endpoints)
+                hint = ""
+                if "RemoteDisconnected" in last or "SSLEOFError" in last:  # (as TLS members do a client they refuse)
+                    hint = _tls_hint(self.tls)
                 raise dist.DistNetworkError(
-                    f"etcd store {SCHEME}{members} unreachable for {self.reach_s:.0f} s (no member answered, "
-                    f"or none holds a majority): {last}"
+                    f"etcd store {self.url} unreachable for {self.reach_s:.0f} s (no member answered, "
+                    f"or none holds a majority): {last}{hint}"
                 )
             if tried % len(self.endpoints) == 0:  # (every member tried once: give an election time to end)
                 time.sleep(min(0.05 * tried / len(self.endpoints), 0.5))
 
     def _key(self, key: str | bytes) -> bytes:
         return self._data + _bytes(key)
+
+    def _put(self, k: bytes, value: bytes) -> dict[str, Any]:
+        """A put request (under this client's lease where it has a ``ttl_s``)."""
+        put: dict[str, Any] = {"key": _b64(k), "value": _b64(value)}
+        if self.ttl_s:
+            if self._lease is None or time.monotonic() - self._lease[1] > self.ttl_s / 2:
+                granted = self._call("lease/grant", {"TTL": str(self.ttl_s)})
+                self._lease = (granted["ID"], time.monotonic())
+            put["lease"] = self._lease[0]
+        return put
 
     def _mark(self, key: str | bytes) -> bytes:
         return self._marks + self._client.encode() + b"/" + _bytes(key)
@@ -234,7 +369,7 @@ class EtcdStore(dist.Store):
         does not answer (the caller reads the keys again, from another member if need be): etcd pushes the write
         on a watch stream of its own, so a thousand ranks waiting for one decision ask nothing while they wait."""
         host, port = self.endpoints[self._at]
-        connection = http.client.HTTPConnection(host, port, timeout=seconds)
+        connection = _connect(host, port, self.tls, seconds)
         body = {"create_request": {"key": _b64(k), "start_revision": str(revision)}}
         end = time.monotonic() + seconds
         try:
@@ -267,7 +402,7 @@ class EtcdStore(dist.Store):
 
     # -- the Store API -----------------------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
-        self._call("kv/put", {"key": _b64(self._key(key)), "value": _b64(_bytes(value))})
+        self._call("kv/put", self._put(self._key(key), _bytes(value)))
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         """The keys set in order: one transaction per ``MAX_TXN_OPS`` keys or ``MAX_TXN_BYTES`` of them (so a
@@ -275,7 +410,7 @@ class EtcdStore(dist.Store):
         puts: list[dict[str, Any]] = []
         size = 0
         for k, v in zip(keys, values):
-            put = {"request_put": {"key": _b64(self._key(k)), "value": _b64(_bytes(v))}}
+            put = {"request_put": self._put(self._key(k), _bytes(v))}
             grown = size + len(put["request_put"]["key"]) + len(put["request_put"]["value"])
             if puts and (len(puts) == MAX_TXN_OPS or grown > MAX_TXN_BYTES):
                 self._call("kv/txn", {"success": puts})
@@ -348,6 +483,30 @@ class EtcdStore(dist.Store):
         """Add ``value`` to the end of the key's value (creating it). Applied once, even when retried."""
         self._update(self._key(key), lambda old: (old or b"") + _bytes(value))
 
+    # -- one versioned key (a rendezvous's state: distributed/rendezvous.py) ---------------------------------------
+    def versioned_get(self, key: str) -> tuple[bytes, int] | None:
+        """The key's value and the revision that wrote it (its version), or None where it is absent."""
+        (record,) = self._range([self._key(key)])
+        if record is None:
+            return None
+        return base64.b64decode(record.get("value", "")), int(record.get("mod_revision", 0))
+
+    def versioned_set(self, key: str, value: bytes, version: int) -> tuple[bytes, int, bool] | None:
+        """Write ``value`` where the key is still at ``version`` (0: absent), in one transaction that reads the key
+        instead where it is not. Returns (value, version, whether written): the new ones, or the key's as found;
+        None where the key is absent and was not written. (Retried on another member after the first applied it,
+        the write reads back as found, not written: the caller reads the key again either way.)"""
+        k = self._key(key)
+        compare = [{"key": _b64(k), "target": "MOD", "result": "EQUAL", "mod_revision": str(version)}]
+        body = {"compare": compare, "success": [{"request_put": self._put(k, value)}]}
+        answer = self._call("kv/txn", {**body, "failure": [{"request_range": {"key": _b64(k)}}]})
+        if answer.get("succeeded"):
+            return value, int(answer["header"]["revision"]), True
+        kvs = (answer.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
+        if not kvs:
+            return None
+        return base64.b64decode(kvs[0].get("value", "")), int(kvs[0].get("mod_revision", 0)), False
+
     # -- boards (distributed/board.py): one key per entry, no read-and-write that other posts could upset ----------
     def _board(self, name: str) -> dict[str, str]:
         prefix = self._boards + _bytes(name) + b"/"
@@ -357,7 +516,7 @@ class EtcdStore(dist.Store):
         """``member``'s entry on board ``name``; returns the number of entries there as of this write (its place in
         the order: etcd's revisions order every write; the count is read at the write's revision)."""
         key = self._boards + _bytes(name) + b"/" + _bytes(member)
-        written = int(self._call("kv/put", {"key": _b64(key), "value": _b64(_bytes(value))})["header"]["revision"])
+        written = int(self._call("kv/put", self._put(key, _bytes(value)))["header"]["revision"])
         body = {**self._board(name), "count_only": True, "revision": str(written)}  # (as of this write)
         try:
             return int(self._call("kv/range", body).get("count", 0))
@@ -384,9 +543,9 @@ class EtcdStore(dist.Store):
     def _swap(self, k: bytes, record: dict[str, Any] | None, value: bytes, mark: bytes | None = None) -> bool:
         """Write ``value`` at ``k`` if it is still as ``record`` (its revision) found it; whether it was."""
         revision = "0" if record is None else record.get("mod_revision", "0")
-        puts = [{"request_put": {"key": _b64(k), "value": _b64(value)}}]
+        puts = [{"request_put": self._put(k, value)}]
         if mark is not None:
-            puts.append({"request_put": {"key": _b64(self._mark(k)), "value": _b64(mark)}})
+            puts.append({"request_put": self._put(self._mark(k), mark)})
         compare = [{"key": _b64(k), "target": "MOD", "result": "EQUAL", "mod_revision": revision}]
         return bool(self._call("kv/txn", {"compare": compare, "success": puts}).get("succeeded", False))
 
@@ -410,6 +569,59 @@ class EtcdStore(dist.Store):
 COMPACTION = ["--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m"]
 
 
+def make_certificates(directory: str, members: list[str], days: int = 30) -> Tls:
+    """A CA of its own in ``directory`` (made 0700), a certificate for each member host (``<host>.crt``, for its
+    clients and its peers: the names it is reached by) and one for the clients (``client.crt``), all signed by it
+    (openssl, P-256): what a job's etcd members and workers need for ``etcds://`` and nothing else trusts. Returns
+    the clients' :class:`Tls`. The keys are 0600; the CA's key never leaves ``directory``."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    os.chmod(directory, 0o700)
+    at = functools.partial(os.path.join, directory)
+
+    def openssl(*args: str) -> None:
+        done = subprocess.run(["openssl", *args], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"openssl {' '.join(args[:2])} in {directory}: {done.stderr.strip()[-500:]}")
+
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl(
+        "req", "-x509", *key, "-keyout", at("ca.key"), "-out", at("ca.crt"), "-days", str(days),
+        "-subj", f"/CN=relaxsync etcd CA {uuid.uuid4().hex[:8]}", "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+    )  # fmt: skip
+    for name in [*dict.fromkeys(members), "client"]:
+        names = {"DNS:localhost", "IP:127.0.0.1"}
+        if name != "client":
+            try:
+                ipaddress.ip_address(name)
+                names.add(f"IP:{name}")
+            except ValueError:
+                names.add(f"DNS:{name}")
+        with open(at(f"{name}.ext"), "w") as f:
+            f.write(
+                f"subjectAltName={','.join(sorted(names))}\nextendedKeyUsage=serverAuth,clientAuth\n"
+                "keyUsage=critical,digitalSignature,keyEncipherment\n"
+            )
+        openssl("req", *key, "-keyout", at(f"{name}.key"), "-out", at(f"{name}.csr"), "-subj", f"/CN={name}")
+        openssl(
+            "x509", "-req", "-in", at(f"{name}.csr"), "-CA", at("ca.crt"), "-CAkey", at("ca.key"),
+            "-CAcreateserial", "-out", at(f"{name}.crt"), "-days", str(days), "-extfile", at(f"{name}.ext"),
+        )  # fmt: skip
+    for name in os.listdir(directory):
+        os.chmod(at(name), 0o600 if name.endswith(".key") else 0o644)
+    return Tls(at("ca.crt"), at("client.crt"), at("client.key"))
+
+
+def tls_options(directory: str, host: str) -> list[str]:
+    """etcd's flags for the member on ``host`` with the certificates of :func:`make_certificates`: TLS to its
+    clients and its peers, each of which must show a certificate of the CA."""
+    crt, key, ca = (os.path.join(directory, name) for name in (f"{host}.crt", f"{host}.key", "ca.crt"))
+    return [
+        "--cert-file", crt, "--key-file", key, "--client-cert-auth", "--trusted-ca-file", ca,
+        "--peer-cert-file", crt, "--peer-key-file", key, "--peer-client-cert-auth", "--peer-trusted-ca-file", ca,
+    ]  # fmt: skip
+
+
 class LocalCluster:
     """An etcd cluster of ``members`` processes on this machine, one per emulated node (node ``i`` hosts member
     ``i``): the shape of a real deployment, where killing a node kills its member too. Used by the tests, the chaos
@@ -425,11 +637,13 @@ class LocalCluster:
         spawn: Any = None,
         in_memory: bool = True,
         options: list[str] | None = None,
+        tls: bool = False,
     ):
         """``hosts``: member ``i``'s address (default: all on 127.0.0.1, on free ports; on hosts of their own, etcd's
         ports 2379 and 2380); ``spawn(i, command, **popen_kwargs)`` starts member ``i`` (default: here; e.g. inside
         an emulated node, ``bench.netns.EmulatedNetwork.popen``); ``options``: more of etcd's flags, for every
-        member."""
+        member; ``tls``: the members speak TLS to clients and peers and require a certificate of the cluster's own
+        CA (:func:`make_certificates`, in ``<directory>/tls``; :attr:`client` is what a client needs)."""
         os.makedirs(directory, exist_ok=True)
         self.directory, self.members, self.options = directory, members, list(options or [])
         self.heartbeat_ms, self.election_ms, self.in_memory = heartbeat_ms, election_ms, in_memory
@@ -446,16 +660,50 @@ class LocalCluster:
                 s.close()
             self.client_ports, self.peer_ports = ports[:members], ports[members:]
         self.processes: list[Any] = [None] * members
+        self.tls_dir = os.path.join(directory, "tls") if tls else None
+        self.client = make_certificates(self.tls_dir, self.hosts) if self.tls_dir else None
 
     @property
     def url(self) -> str:
-        return SCHEME + ",".join(self.endpoint(i) for i in range(self.members))
+        return (TLS_SCHEME if self.client else SCHEME) + ",".join(self.endpoint(i) for i in range(self.members))
+
+    def rendezvous(self, node: int) -> list[str]:
+        """torchrun's arguments after ``--rdzv-backend`` for an agent on node ``node``: the v3 rendezvous
+        (distributed/rendezvous.py) on every member, the node's own first (the last one for nodes past the
+        members), with the cluster's TLS."""
+        own = min(node, self.members - 1)
+        order = [own, *(i for i in range(self.members) if i != own)]
+        args = ["etcd-v3", "--rdzv-endpoint", ",".join(self.endpoint(i) for i in order)]
+        if self.client:
+            tls = self.client
+            args += ["--rdzv-conf", f"ca_cert={tls.ca},ssl_cert={tls.cert},ssl_cert_key={tls.key}"]
+        return args
+
+    def overrides(self) -> list[str]:
+        """train.py's overrides for a run whose store is this cluster (the URL quoted: Hydra reads commas as a
+        list)."""
+        tls = self.client
+        secure = [
+            f"trainer.store_tls.ca={tls.ca}",
+            f"trainer.store_tls.cert={tls.cert}",
+            f"trainer.store_tls.key={tls.key}",
+        ]
+        return [f"trainer.store='{self.url}'", *(secure if tls else [])]
+
+    def store(self, root: str, members: list[int] | None = None, **kwargs: Any) -> EtcdStore:
+        """A client of the cluster (of members ``members``: default all), with the cluster's TLS where it has it."""
+        at = range(self.members) if members is None else members
+        return EtcdStore([(self.hosts[i], self.client_ports[i]) for i in at], root, tls=self.client, **kwargs)
 
     def endpoint(self, i: int) -> str:
         return f"{self.hosts[i]}:{self.client_ports[i]}"
 
     def _peer(self, i: int) -> str:
-        return f"http://{self.hosts[i]}:{self.peer_ports[i]}"
+        return f"{self._http}://{self.hosts[i]}:{self.peer_ports[i]}"
+
+    @property
+    def _http(self) -> str:
+        return "https" if self.client else "http"
 
     def data_dir(self, i: int) -> str:
         """Member ``i``'s data: in memory (/dev/shm) where it is there, as a node's local SSD stands for here: a
@@ -468,13 +716,14 @@ class LocalCluster:
         cluster = ",".join(f"m{j}={self._peer(j)}" for j in range(self.members))
         return [
             "etcd", "--name", f"m{i}", "--data-dir", self.data_dir(i),
-            "--listen-client-urls", f"http://{self.endpoint(i)}", "--advertise-client-urls", f"http://{self.endpoint(i)}",
+            "--listen-client-urls", f"{self._http}://{self.endpoint(i)}",
+            "--advertise-client-urls", f"{self._http}://{self.endpoint(i)}",
             "--listen-peer-urls", self._peer(i), "--initial-advertise-peer-urls", self._peer(i),
             "--initial-cluster", cluster, "--initial-cluster-state", "new",
             "--initial-cluster-token", os.path.basename(self.directory.rstrip("/")) or "relaxsync",
             "--heartbeat-interval", str(self.heartbeat_ms), "--election-timeout", str(self.election_ms),
-            "--enable-v2=true",  # (torchrun's etcd-v2 rendezvous speaks etcd's v2 API)
-            *COMPACTION, "--logger", "zap", "--log-level", "error", *self.options,
+            *COMPACTION, "--logger", "zap", "--log-level", "error",
+            *(tls_options(self.tls_dir, self.hosts[i]) if self.tls_dir else []), *self.options,
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 30.0) -> LocalCluster:
@@ -483,22 +732,18 @@ class LocalCluster:
             log = open(os.path.join(self.directory, f"m{i}.log"), "ab")
             self.processes[i] = self.spawn(i, self.command(i), stdout=log, stderr=subprocess.STDOUT)
         if self.local:
-            EtcdStore(parse(self.url)[0], "up", reach_s=timeout_s).set("up", "1")
+            self.store("up", reach_s=timeout_s).set("up", "1")
             return self
         # (members inside nodes of their own, which this process may not reach: a write from the first node)
-        endpoints = ",".join(self.endpoint(i) for i in range(self.members))
-        put = ["etcdctl", "--endpoints", endpoints, "--command-timeout=2s", "put", "/relaxsync/up", "1"]
-        deadline = time.monotonic() + timeout_s
-        while self.spawn(0, put, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).wait() != 0:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"etcd cluster {self.url} took no write in {timeout_s:.0f} s ({self.directory})")
-            time.sleep(0.2)
+        if self.client:
+            self.client.to_environ()
+        write = [sys.executable, "-m", "distributed.etcd", "up", self.url, "--within", str(timeout_s)]
+        if self.spawn(0, write, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).wait() != 0:
+            raise RuntimeError(f"etcd cluster {self.url} took no write in {timeout_s:.0f} s ({self.directory})")
         return self
 
     def _status(self, i: int) -> dict[str, Any]:
-        return EtcdStore([(self.hosts[i], self.client_ports[i])], "status", reach_s=ATTEMPT_S)._call(
-            "maintenance/status", {}
-        )
+        return self.store("status", [i], reach_s=ATTEMPT_S)._call("maintenance/status", {})
 
     def leader(self) -> int:
         """The member that leads the cluster now."""
@@ -515,9 +760,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         while (current := self.leader()) != i:
             target = self._status(i)["header"]["member_id"]
-            EtcdStore([(self.hosts[current], self.client_ports[current])], "status")._call(
-                "maintenance/transfer-leadership", {"targetID": target}
-            )
+            self.store("status", [current])._call("maintenance/transfer-leadership", {"targetID": target})
             if time.monotonic() > deadline:
                 raise RuntimeError(f"etcd member {i} did not become the leader in {timeout_s} s")
 
@@ -568,3 +811,44 @@ def configured_store(timeout: datetime.timedelta | None = None) -> EtcdStore | N
     store = EtcdStore.from_url(url, store_root(), timeout)
     _KEPT.append(store)  # (c10d may hold it without its Python half, as a clone: EtcdStore.clone)
     return store
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``python -m distributed.etcd``: what a job script needs of its etcd cluster, without etcdctl."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m distributed.etcd", description=_main.__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="wait until the cluster at URL takes a write (TLS: RELAXSYNC_STORE_TLS)")
+    up.add_argument("url", help="etcd://host:port,... or etcds://host:port,...")
+    up.add_argument("--within", type=float, default=60.0, help="seconds to wait at most (default 60)")
+    certificates = commands.add_parser("certificates", help="a CA, a certificate per member host, one for clients")
+    certificates.add_argument("directory", help="made 0700; ca.crt, <host>.crt/.key, client.crt/.key")
+    certificates.add_argument("hosts", nargs="+", help="the members' host names (or addresses)")
+    flags = commands.add_parser("flags", help="etcd's TLS flags for the member on HOST, one a line")
+    flags.add_argument("directory")
+    flags.add_argument("host")
+    args = parser.parse_args(argv)
+    if args.command == "certificates":
+        make_certificates(args.directory, args.hosts)
+    elif args.command == "flags":
+        print("\n".join(tls_options(args.directory, args.host)))
+    else:
+        deadline = time.monotonic() + args.within
+        while True:
+            try:
+                EtcdStore.from_url(args.url, "up", datetime.timedelta(seconds=5)).set("up", "1")
+                return 0
+            except EtcdRefused as error:
+                print(f"etcd: {error}", file=sys.stderr)
+                return 1
+            except dist.DistError as error:
+                if time.monotonic() > deadline:
+                    print(f"etcd: {args.url} took no write in {args.within:.0f} s: {error}", file=sys.stderr)
+                    return 1
+                time.sleep(0.5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

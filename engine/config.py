@@ -16,6 +16,7 @@ from typing import Any
 
 from hydra.utils import get_object
 
+from distributed.etcd import TLS_SCHEME, Tls
 from distributed.etcd import parse as parse_store
 from engine.launchers import slurm_task, under_external_launcher
 from engine.scope import validate_scope
@@ -186,8 +187,22 @@ def validate(cfg: dict[str, Any]) -> None:
             members_ok,
             "trainer.store",
             store,
-            "null (torch's store) or 'etcd://host:port,host:port,...' (quoted: Hydra reads commas as a list)",
+            "null (torch's store) or 'etcd://host:port,host:port,...' (quoted: Hydra reads commas as a list; "
+            "etcds://... with trainer.store_tls)",
         )
+    tls = t.get("store_tls") or {}
+    try:
+        given = Tls.from_config(tls.get("ca"), tls.get("cert"), tls.get("key"))
+    except ValueError as error:
+        raise ConfigError("trainer.store_tls", dict(tls), f"the CA, certificate and key files ({error})") from None
+    secure = isinstance(store, str) and store.startswith(TLS_SCHEME)
+    joiner = store is None and t.get("join")  # (a joiner reads the run's store from the run dir)
+    _check(
+        bool(given) == secure or bool(joiner),
+        "trainer.store_tls",
+        None if given is None else dict(tls),
+        f"the CA, certificate and key files exactly where trainer.store is {TLS_SCHEME}... (trainer.store={store!r})",
+    )
     secret_file = t.get("secret_file")
     if secret_file is not None:
         from distributed.secret import SecretError, read_secret

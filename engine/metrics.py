@@ -153,20 +153,26 @@ class Recorder:
 
     def _unwritten(self, path: str) -> list[dict[str, Any]]:
         """On a rank that becomes the logging rank mid-run: the records it holds that the previous one did not
-        write, from the first after the last one in ``path`` (the previous logging rank may have ended between a
-        step every rank finished and its record; a line it left half written is cut off)."""
+        write (the previous logging rank may have ended between a step every rank finished and its record; a line
+        it left half written is cut off). Each record held is looked for in ``path`` itself, not only after the
+        last one there: the ranks need not hold their records in one order (a checkpoint's event may come before
+        or after the next step's record)."""
         if not os.path.exists(path):
             return list(self.recent)
         with open(path, "rb+") as f:
             text = f.read()
             f.truncate(text.rfind(b"\n") + 1)
-        last = next((r for r in reversed(read_metrics(path)) if r["kind"] != "summary"), None)
-        if last is None:
-            return list(self.recent)
-        same = [i for i, r in enumerate(self.recent) if _identity(r) == _identity(last)]
-        if same:
-            return list(self.recent)[same[-1] + 1 :]
-        return [r for r in self.recent if r.get("step", -1) > last["step"]]
+        first = min((r.get("step", -1) for r in self.recent), default=0)
+        written = collections.Counter(
+            _identity(r) for r in read_metrics(path) if r["kind"] != "summary" and r.get("step", -1) >= first
+        )
+        unwritten = []
+        for record in self.recent:
+            if written[_identity(record)] > 0:
+                written[_identity(record)] -= 1
+            else:
+                unwritten.append(record)
+        return unwritten
 
     def write(self, record: dict[str, Any], step: int) -> None:
         """One record to metrics.jsonl and the logger (a no-op off the logging rank)."""

@@ -206,7 +206,8 @@ def start(
     node: int, plan: Plan, port: int, run_dir: Path, overrides: list[str], etcd: LocalCluster | None = None
 ) -> subprocess.Popen:
     """Node ``node``'s torchrun agent and worker: on torch's c10d rendezvous and store (node 0 hosts both), or with
-    ``etcd`` on its etcd-v2 rendezvous and the run's store there (node ``i`` holds member ``i``, the last member
+    ``etcd`` on its v3 rendezvous (distributed/rendezvous.py) and the run's store there, both over TLS with client
+    certificates (node ``i`` holds member ``i``, the last member
     also serving the nodes after it; a victim node's member dies with it)."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     environ = environment()
@@ -214,8 +215,7 @@ def start(
         rendezvous = ["c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"is_host={int(node == 0)}"]
         store = []
     else:
-        rendezvous = ["etcd-v2", "--rdzv-endpoint", etcd.endpoint(min(node, etcd.members - 1))]
-        store = [f"trainer.store='{etcd.url}'"]
+        rendezvous, store = etcd.rendezvous(node), etcd.overrides()
     if node in plan.faults:
         fault = dict(plan.faults[node])
         if etcd is not None and node < etcd.members and fault["fault"] == "kill":
@@ -289,7 +289,7 @@ def _run_cell(cell: Cell, seed: int, out: Path, timeout: float, store: str) -> R
     )
     started = time.monotonic()
     port = free_port()
-    etcd = LocalCluster(str(log_dir / "etcd")).start() if store == "etcd" else None
+    etcd = LocalCluster(str(log_dir / "etcd"), tls=True).start() if store == "etcd" else None
     agents = [start(node, plan, port, run_dir, overrides, etcd) for node in range(plan.nodes)]
     result = Result(cell.name, seed, False, log_dir=str(log_dir))
     try:

@@ -130,7 +130,7 @@ def free_port() -> int:
 def start_nodes(n: int, run_dir: Path, *overrides: str, procs: int = 1, etcd: Any = None) -> list[subprocess.Popen]:
     """``n`` torchrun agents on this machine, ``procs`` workers each, meeting at a c10d rendezvous hosted by the
     first: a multi-node job in which one "node" can be killed without the others' agents noticing. With ``etcd`` (a
-    running :class:`distributed.etcd.LocalCluster`) they meet in its etcd-v2 rendezvous instead, and the run's store
+    running :class:`distributed.etcd.LocalCluster`) they meet in its v3 rendezvous instead, and the run's store
     is the cluster (``trainer.store``): no node is special, and killing one kills its member too."""
     port = free_port()
     return [start_node(node, str(n), port, run_dir, overrides, procs=procs, etcd=etcd) for node in range(n)]
@@ -161,8 +161,7 @@ def start_node(
         ]
         store = []
     else:
-        rendezvous = ["etcd-v2", "--rdzv-endpoint", etcd.endpoint(min(node, etcd.members - 1))]
-        store = [f"trainer.store='{etcd.url}'"]  # (quoted: Hydra reads commas as a list)
+        rendezvous, store = etcd.rendezvous(node), etcd.overrides()
     launcher = [
         TORCHRUN, "--nnodes", nnodes, "--nproc-per-node", str(procs), "--max-restarts", "0",
         "--monitor-interval", "0.5", "--rdzv-id", run_dir.name, "--rdzv-backend", *rendezvous,

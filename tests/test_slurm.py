@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -310,9 +311,9 @@ def test_a_task_killed_under_srun_is_survived_by_the_others_with_on_failure_cont
         "straggler.sleep_s=0.3",
         f"trainer.run_dir={run_dir}",
     ]  # fmt: skip  (16 steps per epoch at 3 ranks, 24 at 2)
-    etcd = LocalCluster(str(tmp_path / "etcd")).start() if store == "etcd" else None
-    if etcd is not None:
-        overrides.append(f"trainer.store='{etcd.url}'")
+    etcd = LocalCluster(str(tmp_path / "etcd"), tls=True).start() if store == "etcd" else None
+    if etcd is not None:  # (TLS and client certificates, as examples/slurm/train-any-node.sbatch's)
+        overrides += etcd.overrides()
     try:
         command = ["srun", "-N2", "-n3", "--kill-on-bad-exit=0", sys.executable, str(ROOT / "train.py"), *overrides]
         out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
@@ -404,3 +405,55 @@ def test_a_slurm_tasks_config_is_checked_against_the_jobs_world_not_trainer_npro
     plain_cfg("straggler=sleep", "straggler.ranks=[2]")  # trainer.nproc is 2
     with pytest.raises(ConfigError, match=r"ranks in \[0, 2\]"):
         plain_cfg("straggler=sleep", "straggler.ranks=[3]")
+
+
+@pytest.mark.skipif(NO_ETCD, reason="etcd is not installed (Debian: apt install etcd-server)")
+def test_the_any_node_example_runs_its_etcd_members_with_tls_and_trains(slurm, tmp_path):
+    """examples/slurm/train-any-node.sbatch as a user submits it, on both nodes: the job makes its CA and
+    certificates in a 0700 job directory, starts a member on each node that speaks TLS to clients and peers and
+    requires a client certificate, and its workers train on the run's store there (etcds://) with the run's
+    secret, to the end."""
+    job_dir = tmp_path / "job"
+    env = dict(
+        slurm, RELAXSYNC_JOB_DIR=str(job_dir), RELAXSYNC_ETCD_PORT=str(_free_port_pair()), RELAXSYNC_ETCD_PORT_STEP="2"
+    )  # fmt: skip  (n1 and n2 share this host: ports of their own)
+    script = ROOT / "examples" / "slurm" / "train-any-node.sbatch"
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--nodes", "2", "--cpus-per-task", "1", "--time", "10", "-o",
+         str(tmp_path / "slurm-%j.out"), str(script), *RUN[:-1], "trainer.max_steps=6", "trainer.hang_timeout_s=20"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    job = submitted.stdout.strip().split(";")[0]
+    _until_completed(slurm, job, tmp_path, time.monotonic() + 240)
+    out = (tmp_path / f"slurm-{job}.out").read_text()
+    rows = read_metrics(str(job_dir / "metrics.jsonl"))
+    (summary,) = records(rows, "summary")
+    assert summary["finished"] and summary["world_size"] == 2 and summary["steps"] == 6, out[-3000:]
+    config = (job_dir / "config.yaml").read_text()
+    assert "store: etcds://n1:" in config and "/tls/client.key" in config
+    assert (job_dir / "tls" / "ca.crt").exists() and os.stat(job_dir / "tls").st_mode & 0o777 == 0o700
+    assert os.stat(job_dir / "tls" / "ca.key").st_mode & 0o077 == 0 and os.stat(job_dir).st_mode & 0o077 == 0
+
+
+def _free_port_pair() -> int:
+    """A port whose next three are free too (two members' client and peer ports)."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + 3 < 65536 and all(_free(base + k) for k in range(1, 4)):
+            return base
+    raise RuntimeError("no four free ports in a row")
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False

@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -20,7 +21,7 @@ from conftest import FAST, ROOT, records
 from test_scope import NODE_KILL
 
 from bench.netns import unavailable as netns_unavailable
-from distributed.etcd import COMPACTION, EtcdRefused, EtcdStore, LocalCluster, parse, store_root
+from distributed.etcd import COMPACTION, TLS_ENV, EtcdRefused, EtcdStore, LocalCluster, parse, store_root
 
 # CI installs etcd-server (.ci/run) and then requires these tests to run
 pytestmark = pytest.mark.skipif(
@@ -30,8 +31,11 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture
-def cluster(tmp_path):
-    with LocalCluster(str(tmp_path / "etcd")) as c:
+def cluster(tmp_path, monkeypatch):
+    """Three members that speak TLS only and require a client certificate of their own CA, as
+    examples/slurm/train-any-node.sbatch's; this process's clients (``EtcdStore.from_url``) hold one."""
+    with LocalCluster(str(tmp_path / "etcd"), tls=True) as c:
+        monkeypatch.setenv(TLS_ENV, c.client.encoded())
         yield c
 
 
@@ -67,11 +71,11 @@ def test_a_run_that_ends_cleanly_leaves_no_key_in_the_cluster(cluster, tmp_path)
     beats, decisions and groups' keys; once the run has ended, none (the last rank to close deletes them)."""
     from conftest import train
 
-    probe = EtcdStore(parse(cluster.url)[0], "probe")
+    probe = cluster.store("probe")
     before = probe.count_keys()
     summary, _ = train(
         tmp_path / "run", *FAST, "trainer.nproc=2", "trainer.on_failure=continue", "trainer.max_steps=4",
-        f"trainer.store='{cluster.url}'",
+        *cluster.overrides(),
     )  # fmt: skip
     assert summary["finished"] and summary["world_size"] == 2
     assert probe.count_keys() == before  # (LocalCluster's own key; the run's are gone)
@@ -324,7 +328,8 @@ KILL_SEED = int(os.environ.get("CHAOS_SEED", int(time.time() // 86400)))  # (the
 @pytest.mark.full
 @pytest.mark.parametrize("sync", list(NODE_KILL))
 def test_the_node_of_rank_0_and_of_the_stores_leader_is_killed_and_the_others_finish(tmp_path, sync):
-    """Three torchrun nodes on an etcd-v2 rendezvous, the run's store the 3-member cluster (one per node). The node
+    """Three torchrun nodes on the etcd-v3 rendezvous, the run's store the 3-member cluster (one per node, TLS and
+    client certificates). The node
     that holds rank 0 (the logging rank, torchrun's first node) is killed with its agent, its worker and its etcd
     member, made the cluster's leader just before, at a moment drawn from the day's seed within the steps after the
     8th: the other agents go on, the other workers agree through the two members left and finish, every step
@@ -332,7 +337,7 @@ def test_the_node_of_rank_0_and_of_the_stores_leader_is_killed_and_the_others_fi
     from test_faults import SHRINK, finish, start_nodes, wait_for_train_steps, worker_of
 
     run_dir = tmp_path / "run"
-    with LocalCluster(str(tmp_path / "etcd")) as etcd:
+    with LocalCluster(str(tmp_path / "etcd"), tls=True) as etcd:
         nodes = start_nodes(3, run_dir, *SHRINK, *NODE_KILL[sync], etcd=etcd)
         try:
             wait_for_train_steps(run_dir, 8)
@@ -371,7 +376,7 @@ def test_in_a_ring_of_four_the_node_of_rank_0_is_killed_and_the_three_others_fin
         *FAST, "data.num_samples=1024", "data.num_val_samples=64", "trainer.epochs=2", "sync=allreduce",
         "trainer.on_failure=continue", "trainer.hang_timeout_s=120",
     ]  # fmt: skip
-    with LocalCluster(str(tmp_path / "etcd")) as etcd:
+    with LocalCluster(str(tmp_path / "etcd"), tls=True) as etcd:
         nodes = start_nodes(4, run_dir, *overrides, etcd=etcd)
         try:
             wait_for_train_steps(run_dir, 5)
@@ -416,19 +421,19 @@ def test_a_node_cut_off_stops_and_the_majority_finishes_with_no_step_recorded_tw
     run_dir = tmp_path / "run"
     with EmulatedNetwork(3) as net:
         hosts = [net.address(i) for i in range(3)]
-        etcd = LocalCluster(str(tmp_path / "etcd"), hosts=hosts, spawn=net.popen).start()
+        etcd = LocalCluster(str(tmp_path / "etcd"), hosts=hosts, spawn=net.popen, tls=True).start()
         overrides = [
             *SHRINK,
             "sync=localsgd",
             "sync.k_steps=8",
-            f"trainer.store='{etcd.url}'",
+            *etcd.overrides(),
             f"trainer.run_dir={run_dir}",
         ]
         nodes = []
         for i in range(3):
             launcher = [
                 TORCHRUN, "--nnodes", "3", "--nproc-per-node", "1", "--max-restarts", "0", "--monitor-interval", "0.5",
-                "--rdzv-id", run_dir.name, "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd.endpoint(i),
+                "--rdzv-id", run_dir.name, "--rdzv-backend", *etcd.rendezvous(i),
                 "--local-addr", hosts[i],
             ]  # fmt: skip
             log = open(tmp_path / f"run-node{i}.log", "w")
@@ -457,3 +462,65 @@ def test_a_node_cut_off_stops_and_the_majority_finishes_with_no_step_recorded_tw
     assert summary["finished"] and summary["ranks"] == [1, 2] and summary["lost_ranks"] == [0]
     steps = [r["step"] for r in records(metrics, "train")]
     assert steps == list(range(summary["steps"]))  # no step recorded by both sides, none lost between them
+
+
+def test_a_client_without_the_clusters_certificate_reads_and_writes_nothing(cluster, tmp_path):
+    """The members speak TLS only and require a client certificate signed by their CA: a client in plain HTTP, one
+    with no certificate and one with a certificate of another CA are each refused before a key is read or
+    written, and told so, never as a cluster out of reach for long; the cluster's own client is served."""
+    import ssl
+
+    from distributed.etcd import make_certificates
+
+    (host, port), *_ = parse(cluster.url)[0]
+    cluster.store("secret").set("k", "v")
+    with pytest.raises(dist.DistNetworkError, match="if the members require TLS: etcds://"):
+        EtcdStore([(host, port)], "secret", reach_s=1).get("k")
+    stranger = make_certificates(str(tmp_path / "stranger"), ["127.0.0.1"])
+    with pytest.raises(EtcdRefused, match="refused TLS: .*CERTIFICATE_VERIFY_FAILED"):  # (not the cluster's either)
+        EtcdStore([(host, port)], "secret", tls=stranger).get("k")
+    trusting = ssl.create_default_context(cafile=cluster.client.ca)  # (knows the members; shows no certificate)
+    shown = ssl.create_default_context(cafile=cluster.client.ca)
+    shown.load_cert_chain(stranger.cert, stranger.key)  # (shows one of another CA)
+    key = '{"key": "L3JlbGF4c3luYy9zZWNyZXQvay9r"}'  # (/relaxsync/secret/k/k)
+    for context in (trusting, shown):
+        connection = http.client.HTTPSConnection(host, port, timeout=5, context=context)
+        with pytest.raises((ssl.SSLError, ConnectionError, http.client.HTTPException)):
+            connection.request("POST", "/v3/kv/range", key.encode(), {"Content-Type": "application/json"})
+            connection.getresponse().read()
+    assert cluster.store("secret").get("k") == b"v"
+    for path in ("ca.key", "client.key", "127.0.0.1.key"):
+        assert os.stat(os.path.join(cluster.tls_dir, path)).st_mode & 0o077 == 0, path
+    assert os.stat(cluster.tls_dir).st_mode & 0o777 == 0o700
+
+
+def test_the_v3_rendezvous_holds_torchs_state_by_compare_and_swap_and_torchrun_finds_it(cluster):
+    """torchrun's etcd-v3 backend (distributed/rendezvous.py): absent state reads None; a write without a token
+    creates it once; a write with a stale token is refused and returns the state as it is, with its token; the
+    keys live on a lease. torchrun's registry has it from the project's entry point (from another directory)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from distributed.rendezvous import create_backend
+
+    tls = cluster.client
+    conf = {"ca_cert": tls.ca, "ssl_cert": tls.cert, "ssl_cert_key": tls.key}
+    params = RendezvousParameters("etcd-v3", ",".join(cluster.endpoint(i) for i in range(3)), "job", 2, 2, **conf)
+    backend, store = create_backend(params)
+    other, _ = create_backend(params)
+    assert backend.get_state() is None
+    state, token, written = backend.set_state(b"first")
+    assert (state, written) == (b"first", True)
+    assert other.set_state(b"second") == (b"first", token, False)  # (exists: not created again)
+    assert other.set_state(b"second", token)[1:] != (token,) and other.get_state()[0] == b"second"
+    assert backend.set_state(b"third", token)[::2] == (b"second", False)  # (stale token: the state as it is)
+    assert backend.set_state(b"x", "not a token")[::2] == (b"second", False)
+    (record,) = store._range([store._key("rendezvous-state")])
+    assert int(record["lease"]) > 0  # (gone two hours after the last agent's write: no agent knows it is last)
+    without_tls = RendezvousParameters("etcd-v3", cluster.endpoint(0), "job", 2, 2, ssl_cert=tls.cert)
+    with pytest.raises(ValueError, match="--rdzv-conf ca_cert=None: the CA, certificate and key files go together"):
+        create_backend(without_tls)
+    registry = subprocess.run(
+        [sys.executable, "-c", "import torch.distributed.elastic.rendezvous as r; print(r.rendezvous_handler_registry"
+         "._registry['etcd-v3'].__module__)"], cwd="/", capture_output=True, text=True,
+    )  # fmt: skip
+    assert registry.stdout.strip() == "distributed.rendezvous", registry.stderr[-2000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import types
@@ -303,3 +304,36 @@ def test_a_rank_that_takes_over_logging_writes_the_records_the_ended_one_did_not
         ("train", 0), ("train", 1), ("train", 2), ("train", 3), ("event", 3), ("train", 4)
     ]  # fmt: skip
     assert open(tmp_path / "metrics.jsonl").read().count("\n") == 6  # (the half line is gone, not kept as a line)
+
+
+def test_a_rank_that_takes_over_logging_writes_a_record_it_held_in_another_order(tmp_path):
+    """The ranks need not hold their records in one order: the logging rank wrote a checkpoint's event and ended
+    before the next step's record, which the next logging rank holds before that event. It writes that step's
+    record, once, and nothing twice (it looks each record up, not only the ones after the file's last)."""
+    from engine.metrics import NoLogger, Recorder
+
+    class Member:
+        rank, is_logging_rank = 1, False
+
+    def train(step: int, epoch: int) -> dict:
+        return {"kind": "train", "step": step, "epoch": epoch, "loss": 1.0, "bytes_sent": 8, "comm_s": 0.1,
+                "samples_per_s": 100.0}  # fmt: skip
+
+    member = Member()
+    second = Recorder(str(tmp_path), {"trainer": {}}, "allreduce", member, NoLogger())
+    with open(tmp_path / "metrics.jsonl", "w") as f:  # (what the first logging rank wrote before it ended)
+        for step in range(16):
+            f.write(json.dumps(train(step, 1)) + "\n")
+        f.write(json.dumps({"kind": "eval", "step": 16, "epoch": 1, "top1": 10.0}) + "\n")
+        f.write(json.dumps({"kind": "event", "step": 16, "epoch": 1, "event": "checkpoint"}) + "\n")
+    for step in range(14, 16):
+        second.write(train(step, 1), step)
+    second.write({"kind": "eval", "step": 16, "epoch": 1, "top1": 10.0}, 16)
+    second.write(train(16, 2), 16)  # (before the event, on this rank)
+    second.event({"event": "checkpoint"}, 1, 16)
+    second.write(train(17, 2), 17)
+    member.is_logging_rank = True
+    second.elect()
+    written = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in written if r["kind"] == "train"] == list(range(18))
+    assert [r["kind"] for r in written].count("event") == 1 and [r["kind"] for r in written].count("eval") == 1

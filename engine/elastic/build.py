@@ -7,6 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from distributed.etcd import Tls
 from distributed.membership import Membership
 from distributed.secret import agree, run_secret
 from distributed.world import init_distributed
@@ -18,6 +19,9 @@ from engine.elastic.joiner import Joiner, joiner_membership
 def worker_membership(t: dict[str, Any], device: Any, rank: int, world_size: int, run_dir: str) -> Membership:
     """A worker's membership (``t``: the trainer section): the active ranks and their group; on a joiner
     (``trainer.join``), the run's store and no ranks yet (rank -1, the run's initial size)."""
+    tls = t.get("store_tls") or {}
+    if tls.get("ca"):  # (every part of this process that opens the run's store reads it: distributed/etcd.py)
+        Tls(tls["ca"], tls["cert"], tls["key"]).to_environ()
     if t["join"]:
         membership = joiner_membership(run_dir, t["hang_timeout_s"], t["timeout_s"])
     else:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distributed.etcd import STORE_ENV, EtcdStore
+from distributed.etcd import STORE_ENV, TLS_SCHEME, EtcdStore, Tls
 from distributed.etcd import parse as parse_store
 from distributed.membership import LeftRun, Membership
 from distributed.world import nccl_environment, node_name
@@ -28,6 +28,7 @@ from engine.elastic.handover import Receiving, receive_advance
 from engine.elastic.positions import Phase, Site
 from engine.elastic.records import Admission, JoinFile, Keys, NodeTicket, Notice, Offer, ticket_rank
 from engine.launchers import WORLD_ENV
+from errors import ConfigError
 
 
 def joiner_membership(run_dir: str, hang_timeout_s: float, timeout_s: float) -> Membership:
@@ -49,7 +50,11 @@ def joiner_membership(run_dir: str, hang_timeout_s: float, timeout_s: float) -> 
     try:  # (reached within hang_timeout_s, or the run it names has ended: its store went with its first node)
         if where.store:  # (an etcd cluster's: every later part of this process opens it too)
             os.environ[STORE_ENV] = where.store
-            store = EtcdStore(parse_store(where.store)[0], where.store_root, deadline)
+            tls = Tls.from_environ() if where.store.startswith(TLS_SCHEME) else None
+            if where.store.startswith(TLS_SCHEME) and tls is None:
+                needed = f"the CA, a certificate, a key: the run's store is {where.store}"
+                raise ConfigError("trainer.store_tls", None, needed)
+            store = EtcdStore(parse_store(where.store)[0], where.store_root, deadline, tls=tls)
             store.check(["joining"])
         else:
             store = dist.TCPStore(where.address, where.port, is_master=False, timeout=deadline)
