@@ -8,9 +8,10 @@ One run per sync option (in turn, each taking its share of the failures) under `
 this machine, in ``--nodes`` node slots: two ``torchrun`` nodes start it and the driver fills the other slots, and
 keeps every slot filled, with processes that join the running world (``trainer.join=true``, forked from a server that
 has imported the engine once, as the local launcher's workers are). With ``--store etcd`` (the default where etcd is
-installed) the run's store is an etcd cluster of one member per slot (``trainer.store``; torchrun's etcd-v2
-rendezvous), and the victim of each failure is drawn uniformly over every slot, the first node's too: a node killed
-takes its member with it, and the process that joins in its place brings the member back. With ``--store c10d``
+installed) the run's store is an etcd cluster of one member per slot (``trainer.store``, over TLS with client
+certificates; torchrun's etcd-v3 rendezvous), and the victim of each failure is drawn uniformly over every slot, the
+first node's too: a node killed takes its member with it, and the process that joins in its place brings the member
+back. With ``--store c10d``
 node 0 hosts torch's store, as torchrun's first node does, and is never failed. Three steps after each change, a
 victim fails: ``kill -9`` (a node gone: its torchrun agent if it has one, its worker, its member) or, every
 ``--hang-every``-th time, SIGSTOP (a node that hangs; SIGCONT once the others gave it up, and it exits by itself).
