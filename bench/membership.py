@@ -63,6 +63,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, ROOT, machine
+from distributed import runstore
+from distributed.runstore import RunStore
 
 POSITION_STEP = 10  # the step every survivor was in when its collective failed (one of them is a collective behind)
 FORM_GROUP_REPEATS = 5
@@ -90,9 +92,11 @@ class Tally:
         return dict(self.calls), self.keys
 
 
-class CountingStore:
+class CountingStore(RunStore):
     """A c10d store client that counts every call made through it (client side; each is one request to the server).
-    ``clone()`` (a heartbeat thread's own connection) counts on a tally of its own, kept in ``clones``."""
+    ``clone()`` (a heartbeat thread's own connection) counts on a tally of its own, kept in ``clones``. It is the
+    run's store protocol of the store it counts (:class:`distributed.runstore.RunStore`): on etcd each board call is
+    one counted call; on torch's store a board's appends and adds are counted one by one, as they are made."""
 
     def __init__(self, store: Any, tally: Tally | None = None):
         self._store, self.tally, self.clones = store, tally or Tally(), []
@@ -104,8 +108,6 @@ class CountingStore:
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._store, name)
-        if name == "hurried":  # (a heartbeat's clone, its calls hurried: EtcdStore.hurried; counted on its tally)
-            return lambda: CountingStore(method(), self.tally)
         if not callable(method):
             return method
         tally = self.tally
@@ -115,6 +117,41 @@ class CountingStore:
             return method(*args, **kwargs)
 
         return counted
+
+    # -- the run's store protocol, counted ------------------------------------------------------------------------
+    @property
+    def replicated(self) -> bool:  # type: ignore[override]
+        return runstore.of(self._store).replicated
+
+    @property
+    def root(self) -> str:  # type: ignore[override]
+        return runstore.of(self._store).root
+
+    @property
+    def store(self) -> Any:
+        return self
+
+    def post(self, name: str, member: str, value: str) -> int:
+        if isinstance(self._store, RunStore):
+            return self.__getattr__("post")(name, member, value)
+        return runstore.TorchStore(self).post(name, member, value)
+
+    def entries(self, name: str) -> list[tuple[str, str]]:
+        if isinstance(self._store, RunStore):
+            return self.__getattr__("entries")(name)
+        return runstore.TorchStore(self).entries(name)
+
+    def count(self, name: str) -> int:
+        if isinstance(self._store, RunStore):
+            return self.__getattr__("count")(name)
+        return runstore.TorchStore(self).count(name)
+
+    def hurried(self) -> Any:
+        """(a heartbeat's clone, its calls hurried: EtcdStore.hurried; counted on this tally)"""
+        return CountingStore(runstore.of(self._store).hurried(), self.tally)
+
+    def forget_run(self) -> int:
+        return runstore.of(self._store).forget_run()
 
 
 def client(address: int | str) -> Any:

@@ -43,6 +43,8 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from distributed.runstore import RunStore
+
 SCHEME = "etcd://"
 TLS_SCHEME = "etcds://"  # the members' client URLs are https://, and each client shows a certificate of the run's CA
 TLS_KEYS = ("trainer.store_tls.ca", "trainer.store_tls.cert", "trainer.store_tls.key")
@@ -208,8 +210,15 @@ def _what_to_do(message: str) -> str:
     return ""
 
 
-class EtcdStore(dist.Store):
-    """A c10d store on an etcd cluster's v3 API (see the module's docstring)."""
+class EtcdStore(dist.Store, RunStore):
+    """A c10d store on an etcd cluster's v3 API (see the module's docstring), and the run's store protocol
+    (:class:`distributed.runstore.RunStore`) on it."""
+
+    replicated = True
+
+    @property
+    def store(self) -> EtcdStore:
+        return self
 
     def __init__(
         self,

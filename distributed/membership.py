@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distributed import runstore
 from distributed.alarm import Alarm
 from distributed.connections import cut, keep, noted, store_port
 from distributed.etcd import configured_store
@@ -546,8 +547,8 @@ class Membership:
         store's call moves to another member after a short wait (``EtcdStore.hurried``: a heartbeat's); ``spread``:
         every :func:`look_period` of ``period_s`` for the active ranks of the moment instead."""
         store = self.store.clone()
-        if hurried and hasattr(store, "hurried"):
-            store = store.hurried()
+        if hurried:
+            store = runstore.of(store).hurried()
         return StoreLoop(store, period_s, tick, name, (lambda: len(self.ranks)) if spread else None)
 
     def __repr__(self) -> str:

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from distributed.etcd import EtcdStore
+from distributed import runstore
 from distributed.membership import retire
 from engine.elastic.positions import Phase, Site
 from engine.evaluate import reached_target
@@ -72,8 +72,8 @@ def lights_out(membership: Any) -> None:
     """At a planned end, on a run whose store is an etcd cluster: the last active rank to get here (its heartbeat
     stopped, as every one before it) deletes the run's keys. A failure leaves them, for whoever looks into it; the
     members' compaction bounds what they hold meanwhile."""
-    store = membership.store
-    if not isinstance(store, EtcdStore):
+    store = runstore.of(membership.store)
+    if not store.replicated:  # (torch's store ends with its process, and its keys with it)
         return
     with contextlib.suppress(Exception):  # (the cluster gone: nothing to delete, or to delete from)
         if store.add(membership.key("closed"), 1) >= len(membership.ranks):

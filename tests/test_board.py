@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch.distributed as dist
 
-from distributed import board
+from distributed import board, runstore
 
 # CI installs etcd-server (.ci/run) and then requires the etcd half to run, as tests/test_store.py does
 ETCD = shutil.which("etcd") is not None or bool(os.environ.get("RELAXSYNC_REQUIRE_ETCD"))
@@ -40,6 +40,9 @@ def test_posts_come_in_order_each_with_its_own_place_and_a_later_post_replaces_a
         board.post(store, "words", "3.1", "+")
         board.post(store, "words", "3.1", "-")  # (the same member's word again: the later one counts)
         assert board.entries(store, "words") == {"3.1": "-"}, kind
+        protocol = runstore.of(store)  # (the run's store protocol each store implements)
+        assert protocol.replicated == (kind == "etcd") and protocol.store is store, kind
+        assert runstore.of(store.clone()).hurried() is not None and runstore.of(protocol) is protocol, kind
 
 
 @pytest.mark.skipif(not ETCD, reason="etcd is not installed (Debian: apt install etcd-server)")

@@ -68,8 +68,10 @@ def test_a_joiner_is_of_the_runs_world_and_finds_its_store_on_etcd(tmp_path, mon
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
     monkeypatch.setenv("RELAXSYNC_STORE", "etcd://a:1,b:2")
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    membership = types.SimpleNamespace(prefix="p", initial_size=3, backend="gloo",
-                                       store=types.SimpleNamespace(root="job7/restart0"))  # fmt: skip
+    from distributed.etcd import EtcdStore
+
+    store = EtcdStore([("a", 1), ("b", 2)], "job7/restart0")  # (not reached: only its root is read)
+    membership = types.SimpleNamespace(prefix="p", initial_size=3, backend="gloo", store=store)
     JoinFile.of(membership).write(str(tmp_path))
     where = JoinFile.read(str(tmp_path))
     assert (where.world, where.store, where.store_root) == ("torchelastic-job7", "etcd://a:1,b:2", "job7/restart0")

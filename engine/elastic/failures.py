@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import re
 import time
 from collections.abc import Callable
@@ -55,8 +54,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distributed import board
-from distributed.etcd import STORE_ENV
+from distributed import board, runstore
 from distributed.membership import Change, Membership
 from distributed.presence import ended
 from distributed.presence import silent as silent_ranks
@@ -99,9 +97,9 @@ class StoreUnreachable(RuntimeError):
     """The c10d store cannot be reached to agree through: its host is gone, and no survivor can go on."""
 
 
-def unreachable(rank: int, what: str, error: BaseException) -> StoreUnreachable:
-    """The error of a rank that cannot reach the store (``what`` it was doing), saying what that means."""
-    if os.environ.get(STORE_ENV):  # (etcd answers only where a majority of its members is)
+def unreachable(rank: int, what: str, error: BaseException, store: Any) -> StoreUnreachable:
+    """The error of a rank that cannot reach ``store`` (``what`` it was doing), saying what that means."""
+    if runstore.of(store).replicated:  # (etcd answers only where a majority of its members is)
         where = (
             "the etcd cluster of trainer.store has no majority on this side: this rank is cut off from the others, "
             "which go on without it if they hold the majority. It stops rather than train on as a second run"
@@ -161,7 +159,8 @@ class Failures:
         except dist.DistError as store_error:
             if self._store_answers():  # a survivor went away during the agreement (a key it never wrote, the new
                 raise  # group's first collective): another loss, which the caller agrees on in turn
-            raise unreachable(self.membership.rank, f"lost a peer at step {at.step} and", store_error) from error
+            m = self.membership
+            raise unreachable(m.rank, f"lost a peer at step {at.step} and", store_error, m.store) from error
         if recovery is None:  # (raised out here: an NCCL error is a DistError too, and is not the store's)
             raise error
         return recovery

@@ -130,7 +130,7 @@ class SurvivingGuard:
                 if time.monotonic() > deadline:
                     silent = heartbeat.silent_for()
                     what = f"has not reached the store for {silent:.0f} s at step {self.host.run.step} and"
-                    raise unreachable(m.rank, what, error) from None
+                    raise unreachable(m.rank, what, error, m.store) from None
                 time.sleep(BEAT_S)
         heartbeat.revive()
         if decided is not None:  # (the others agreed on a failure while this rank was away: removed, or one of them)

@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from distributed import runstore
 from distributed.etcd import STORE_ENV
 from distributed.membership import Membership
 from engine.launchers import world_id
@@ -126,7 +127,7 @@ class JoinFile:
         etcd = os.environ.get(STORE_ENV, "")
         if not ((address and port) or etcd) or not membership.backend:
             return None
-        root = getattr(membership.store, "root", "") if etcd else ""
+        root = runstore.of(membership.store).root if etcd else ""
         m = membership
         return cls(address or "", int(port or 0), m.prefix, m.initial_size, m.backend, etcd, root, world_id())
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distributed import runstore
 from distributed.membership import Membership, Wait, look_period
 from distributed.presence import ended, ring_order, silences
 from distributed.presence import silent as silent_ranks
@@ -44,7 +45,7 @@ def wide(ranks: int, store: Any) -> bool:
     replicated store (``EtcdStore``), which serves a thousand or so requests a second where torch's ``TCPStore``, one
     process holding everything in memory, serves tens of thousands and answers a wait when the key is written, at no
     cost while it waits."""
-    return ranks > WATCHED + 1 and hasattr(store, "post")
+    return ranks > WATCHED + 1 and runstore.of(store).replicated
 
 
 def roles(ranks: list[int], nodes: list[str]) -> tuple[list[int], list[int]]:
