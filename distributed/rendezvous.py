@@ -2,7 +2,7 @@
 
     torchrun --rdzv-backend etcd-v3 --rdzv-endpoint node1:2379,node2:2379,node3:2379 --rdzv-id $JOB ...
 
-torch's ``etcd`` and ``etcd-v2`` backends speak etcd's v2 API (python-etcd), which etcd 3.6 removed; this one runs on
+torch's ``etcd`` and ``etcd-v2`` backends speak etcd's v2 API, which etcd 3.6 removed; this one runs on
 etcd 3.4 through 3.6. It is torch's own dynamic rendezvous (the ``c10d`` backend's joins, keep-alives, rounds and
 closing), its state held in one etcd key written by compare-and-swap on the key's revision. Every member named in
 ``--rdzv-endpoint`` is asked in turn, the first one first (list the node's own member first), so an agent goes on
@@ -19,6 +19,7 @@ docs/failures.md, "Who may talk to a run").
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any
 
 import torch.distributed as dist
@@ -93,9 +94,15 @@ def create_backend(params: Any) -> tuple[Any, EtcdStore]:
 
 
 def create_handler(params: Any) -> Any:
-    """torchrun's handler for ``--rdzv-backend etcd-v3``: torch's dynamic rendezvous on :func:`create_backend`."""
+    """torchrun's handler for ``--rdzv-backend etcd-v3``: torch's dynamic rendezvous on :func:`create_backend`.
+
+    It does not have the first node's agent host a ``TCPStore`` for the workers (torch's "agent store", which takes
+    any client that reaches it): workers on ``trainer.store`` meet in etcd and need none, and others start theirs
+    as torchrun's workers did before it shared the agent's (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, set here unless
+    the environment sets it)."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as dynamic
 
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     backend, store = create_backend(params)
     return dynamic(store, backend, params)
 

@@ -1,5 +1,6 @@
 """The chaos matrix: under ``trainer.on_failure=continue``, a node killed (``kill -9`` of its torchrun agent and
-worker) or hung (``SIGSTOP`` of its worker, continued once the others gave it up) at a moment drawn from a seed, in
+worker), hung (``SIGSTOP`` of its worker, continued once the others gave it up) or ringing a spurious alarm (no one
+gone: the ranks agree that nothing changed and redo the part) at a moment drawn from a seed, in
 every phase of the loop (:data:`tests._chaos_victim.PHASES`), under every sync option (:data:`OPTIONS`: each
 ``conf/sync`` option, the overlapped and streaming variants, and relaxed sync over other algorithms). A cell is one
 (option, phase, fault); its run is a multi-node job on this machine (one torchrun agent per node, one worker each,
@@ -8,6 +9,7 @@ as the README's multi-node recipe) whose store is an etcd cluster of three membe
 ``--store c10d`` runs on torch's store in node 0 instead, which then is never the victim. A cell passes when:
 
 - the run finishes with the right world (the initial ranks less the victims) and ``rank_lost`` names the victims;
+  after a spurious alarm a ``regrouped`` event says the ranks agreed that nobody was gone, and removed nobody;
 - every step is recorded once and in order, and each epoch has the steps its world size gives;
 - the survivors' replicas are identical where the algorithm keeps them so (``replica_spread`` 0);
 - every worker left alive exits 0 (a hung one too, once continued) and no log holds a traceback;
@@ -48,7 +50,7 @@ from distributed.etcd import LocalCluster  # noqa: E402
 from engine.metrics import read_metrics  # noqa: E402
 from tests._chaos_victim import PHASES  # noqa: E402
 
-FAULTS = ("kill", "hang")
+FAULTS = ("kill", "hang", "alarm")
 BATCH, SAMPLES, EPOCHS = 32, 1152, 3  # 12 steps per epoch at 3 ranks, 18 at 2, 9 at 4
 BASE = [
     "model=test_resnet", "data=synthetic", "logger=none", "trainer.progress=false",
@@ -161,7 +163,8 @@ class Plan:
             first["anywhere"] = True
         faults = {victims[0]: first}
         if second:  # the first loss, in a step or its exchange; the second one in the phase
-            early = {"fault": cell.fault, "step": rng.randint(3, 12), "report": first["report"]}
+            fault = "kill" if cell.fault == "alarm" else cell.fault  # (a real loss, whose recovery an alarm meets)
+            early = {"fault": fault, "step": rng.randint(3, 12), "report": first["report"]}
             early |= rng.choice([{"phase": "step", "delay_ms": 10.0}, {"phase": "exchange", "delay_ms": 1.0}])
             early["anywhere"] = cell.option == "none"
             report = str(out / f"fault-node{victims[1]}.json")
@@ -368,7 +371,8 @@ def check(cell: Cell, plan: Plan, fired: dict[int, dict], records: list[dict], l
             problems.append(f"the fault planned on node {node} ({fault['phase']}) never fired")
         elif fault["phase"] not in landed(report):
             problems.append(f"node {node}'s fault was planned in the {fault['phase']} but fired in {report['where']}")
-    victims = sorted(r["rank"] for r in fired.values())
+    victims = sorted(r["rank"] for r in fired.values() if r["fault"] != "alarm")
+    alarms = [r for r in fired.values() if r["fault"] == "alarm"]
     summary = next(s for s in kinds(records, "summary") if s["finished"])
     result.steps, result.world_size = summary["steps"], summary["world_size"]
     if summary["world_size"] != plan.nodes - len(victims):
@@ -378,6 +382,11 @@ def check(cell: Cell, plan: Plan, fired: dict[int, dict], records: list[dict], l
     lost = sorted(r for e in kinds(records, "event") if e["event"] == "rank_lost" for r in e["ranks"])
     if lost != victims:
         problems.append(f"rank_lost events name {lost}, the victims were {victims}")
+    regrouped = [e for e in kinds(records, "event") if e["event"] == "regrouped"]
+    if alarms and not regrouped:
+        problems.append("a spurious alarm rang and no regrouped event says the ranks agreed that nobody was gone")
+    if any(e["ranks"] for e in regrouped):
+        problems.append(f"a regrouped event removed ranks: {regrouped}")
     train = kinds(records, "train")
     steps = [r["step"] for r in train]
     if steps != list(range(summary["steps"])):

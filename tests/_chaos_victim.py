@@ -2,8 +2,9 @@
 in the worker of a victim node. The plan comes from ``$CHAOS_PLAN`` (JSON; set on the victims' nodes only):
 
 - ``fault``: ``kill`` (the node goes: its torchrun agent, this worker and, at ``member_pid``, its etcd member,
-  ``SIGKILL``) or ``hang`` (this worker
-  stops itself with ``SIGSTOP``; the harness continues it once the others have given it up);
+  ``SIGKILL``), ``hang`` (this worker stops itself with ``SIGSTOP``; the harness continues it once the others have
+  given it up) or ``alarm`` (a spurious alarm, with no one gone: this worker rings its own membership's alarm, as a
+  collective that failed on its own, or an alarm passed on by mistake, would; in a recovery, the next generation's);
 - ``phase``: where the fault lands, one of :data:`PHASES`; ``step``: not before this step; ``delay_ms``: how long
   after the phase's start (a moment inside it); ``nth``: which collective of the step (phase ``exchange``);
 - ``report``: a file that gets, when the fault fires, where this worker was (its rank, step, and the part of the loop
@@ -43,6 +44,7 @@ class Injector:
         self.fired = False
         self.where: list[str] = []  # the parts of the loop this worker is in, innermost last
         self.step = -1
+        self.membership = None  # (the worker's, once the loop runs: what an alarm rings)
         self.nth = plan.get("nth", 0)  # phase exchange: the collective of the step it lands in, from 0
         self.collectives = 0  # issued in the current step
         self.in_flight: weakref.WeakSet = weakref.WeakSet()  # Pending exchanges issued and not yet waited for
@@ -106,7 +108,11 @@ class Injector:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        if self.fault == "kill":
+        if self.fault == "alarm":
+            m = self.membership
+            generation = m.generation if m.alarm.rung(m.generation) is None else m.generation + 1  # (in a recovery)
+            m.ring(generation, f"chaos: a spurious alarm (failure {generation}), no one is gone")
+        elif self.fault == "kill":
             if self.plan.get("member_pid"):  # (the run's store on etcd: the node's member goes with it)
                 os.kill(self.plan["member_pid"], signal.SIGKILL)
             os.kill(os.getppid(), signal.SIGKILL)  # the node goes: its agent, then this worker
@@ -142,7 +148,7 @@ def install(plan: dict) -> Injector:
         label = labels.get(part_phase, part_phase.value)
         if site is guard.Site.EPOCH_END:
             label = "epoch boundary"  # the epoch's evaluation and checkpoint, then the next one's start
-        chaos.step = self.host.run.step
+        chaos.step, chaos.membership = self.host.run.step, self.failures.membership
         if part_phase is Phase.STEP:
             if 0 < chaos.collectives <= chaos.nth:  # fewer collectives in a step than planned: the last one
                 chaos.nth = chaos.collectives - 1

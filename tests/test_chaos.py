@@ -9,6 +9,7 @@ import time
 
 import pytest
 from _chaos import BASE, Cell, draw, matrix, run_cell
+from _chaos_victim import PHASES
 from conftest import CONF_DIR, plain_cfg
 
 from engine.config import check_override_keys
@@ -26,6 +27,21 @@ def test_a_node_lost_at_a_seeded_moment_is_survived(tmp_path, cell: Cell):
     assert result.ok, f"{cell.name} (seed {SEED}; again: {again}):\n" + "\n".join(result.problems)
 
 
+@pytest.mark.full  # ~5 min; make test: the day's chaos cell (an alarm among its faults), and a spurious failure in
+# each part of the loop (tests/test_strangers.py)
+@pytest.mark.parametrize("phase", PHASES)
+def test_a_spurious_alarm_in_each_phase_of_the_matrix_is_survived(tmp_path, phase):
+    """A rank rings an alarm with no one gone (its own membership's, as a collective failing on its own would), in
+    each phase of the chaos matrix: the ranks agree that nobody is gone, regroup, redo the part and finish with
+    every rank, every step once, identical replicas and a ``regrouped`` event (tests/_chaos.py's checks)."""
+    option = "diloco-streaming" if phase == "in flight" else "allreduce"
+    cell = Cell(option, phase, "alarm")
+    result = run_cell(cell, SEED, tmp_path)
+    assert result.ok, f"{cell.name} (seed {SEED}; again: make chaos SEED={SEED} ONLY={cell.name}):\n" + "\n".join(
+        result.problems
+    )
+
+
 def test_the_matrix_has_every_option_phase_and_fault():
     from _chaos import OPTIONS, PHASES, ROOT
 
@@ -33,7 +49,7 @@ def test_the_matrix_has_every_option_phase_and_fault():
     every_option = {p.stem for p in (ROOT / "conf" / "sync").glob("*.yaml")}
     assert {o.overrides[0].removeprefix("sync=") for o in OPTIONS.values()} == every_option
     assert {c.option for c in cells} == set(OPTIONS)
-    assert {c.phase for c in cells} == set(PHASES) and {c.fault for c in cells} == {"kill", "hang"}
+    assert {c.phase for c in cells} == set(PHASES) and {c.fault for c in cells} == {"kill", "hang", "alarm"}
     assert {c.option for c in cells if c.phase == "in flight"} == {n for n, o in OPTIONS.items() if o.overlapped}
     assert all(Cell.parse(c.name) == c for c in cells)
     for option in OPTIONS.values():  # every option's overrides are keys of the config and compose
@@ -49,7 +65,7 @@ def test_the_checks_of_a_run_fail_on_each_thing_that_can_go_wrong(tmp_path):
 
     cell = Cell("allreduce", "step", "kill")
     plan = Plan(3, {2: {"fault": "kill", "phase": "step", "report": ""}})
-    fired = {2: {"rank": 2, "phase": "step", "where": ["step"], "in_flight": 0}}
+    fired = {2: {"rank": 2, "fault": "kill", "phase": "step", "where": ["step"], "in_flight": 0}}
     steps = [(1, 3, s) for s in range(6)] + [(1, 2, s) for s in range(6, 12)]  # epoch 1 started at 3 ranks
     steps += [(e, 2, 12 + 18 * (e - 2) + i) for e in range(2, EPOCHS + 1) for i in range(18)]
     train = [{"kind": "train", "epoch": e, "world_size": w, "step": s} for e, w, s in steps]
@@ -73,3 +89,8 @@ def test_the_checks_of_a_run_fail_on_each_thing_that_can_go_wrong(tmp_path):
     assert "never fired" in problems(fired_={})[0]
     elsewhere = {2: {**fired[2], "where": ["evaluation"]}}
     assert "fired in ['evaluation']" in problems(fired_=elsewhere)[0]
+    alarm = {**fired, 1: {"rank": 1, "fault": "alarm", "phase": "step", "where": ["step"], "in_flight": 0}}
+    assert "no regrouped event" in problems(fired_=alarm)[0]  # (an alarm as well as the loss: not agreed on)
+    regrouped = {"kind": "event", "event": "regrouped", "ranks": []}
+    assert problems([*train, lost, regrouped, summary], fired_=alarm) == []
+    assert "removed ranks" in problems([*train, lost, {**regrouped, "ranks": [1]}, summary], fired_=alarm)[0]

@@ -199,8 +199,11 @@ class SurvivingGuard:
             # the front went on and redid what the earlier loss had in flight) is not written again.
             losses = [record for record in snapshot["records"] if record.get("event") == "rank_lost"]
             written = {r for record in losses for r in record["ranks"]}
+            regroups = {r["failed_at"] for r in snapshot["records"] if r.get("event") == "regrouped"}
             pending = [{**e, "ranks": [r for r in e["ranks"] if r not in written]} for e in self._lost]
-            self._lost = [e for e in pending if e["ranks"]]
+            # (a regroup removed nobody: it is told by when its failure was proposed, not by ranks)
+            unwritten = [e for e in pending if e["event"] == "regrouped" and e["failed_at"] not in regroups]
+            self._lost = [e for e in pending if e["ranks"] or e in unwritten]
             self._entering = snapshot["entry"]
             raise CatchUp(self._entering)
 
