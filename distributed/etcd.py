@@ -93,6 +93,14 @@ def parse(url: str) -> tuple[list[tuple[str, int]], str]:
     return endpoints, name.strip("/")
 
 
+class TlsFileError(ValueError):
+    """A TLS file of the store's client that cannot be used: ``key`` (what the user set), its ``value``, why."""
+
+    def __init__(self, key: str, value: Any, problem: str):
+        self.key, self.value, self.problem = key, value, problem
+        super().__init__(f"{key}={value!r}: {problem}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Tls:
     """A client's TLS for an etcd cluster that requires it (``etcds://``): the CA that signed the members'
@@ -108,21 +116,22 @@ class Tls:
         ca: Any,
         cert: Any,
         key: Any,
-        names: tuple[str, str, str] = ("store_tls.ca", "store_tls.cert", "store_tls.key"),
+        names: tuple[str, str, str] = TLS_KEYS,
     ) -> Tls | None:
         """The three files, each checked (readable; the key readable by its owner only); None where none is given.
-        ``ValueError`` names the key (``names``: what the user calls them) and the file."""
+        :class:`TlsFileError` names the key (``names``: what the user calls them) and the file."""
         given = dict(zip(names, (ca, cert, key)))
         if all(v in (None, "") for v in given.values()):
             return None
         for name, path in given.items():
             if not isinstance(path, str) or not path:
-                raise ValueError(f"{name}={path!r}: the CA, certificate and key files go together (paths)")
+                raise TlsFileError(name, path, "a path, as the two others (the CA, certificate and key go together)")
             if not os.path.isfile(path) or not os.access(path, os.R_OK):
-                raise ValueError(f"{name}={path!r}: no readable file there")
+                raise TlsFileError(name, path, "a readable file (there is none)")
         mode = os.stat(key).st_mode
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ValueError(f"{names[2]}={key!r}: others may read it (mode {stat.S_IMODE(mode):o}): chmod 600 {key}")
+            mine = f"a key only its owner may read (mode {stat.S_IMODE(mode):o}): chmod 600 {key}"
+            raise TlsFileError(names[2], key, mine)
         return cls(os.path.abspath(ca), os.path.abspath(cert), os.path.abspath(key))
 
     @classmethod

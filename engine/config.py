@@ -16,7 +16,7 @@ from typing import Any
 
 from hydra.utils import get_object
 
-from distributed.etcd import TLS_SCHEME, Tls
+from distributed.etcd import TLS_SCHEME, Tls, TlsFileError
 from distributed.etcd import parse as parse_store
 from engine.launchers import slurm_task, under_external_launcher
 from engine.scope import validate_scope
@@ -193,8 +193,8 @@ def validate(cfg: dict[str, Any]) -> None:
     tls = t.get("store_tls") or {}
     try:
         given = Tls.from_config(tls.get("ca"), tls.get("cert"), tls.get("key"))
-    except ValueError as error:
-        raise ConfigError("trainer.store_tls", dict(tls), f"the CA, certificate and key files ({error})") from None
+    except TlsFileError as error:
+        raise ConfigError(error.key, error.value, error.problem) from None
     secure = isinstance(store, str) and store.startswith(TLS_SCHEME)
     joiner = store is None and t.get("join")  # (a joiner reads the run's store from the run dir)
     _check(

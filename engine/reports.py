@@ -40,6 +40,10 @@ def carry_out(host: Host, report: SyncReport, epoch: int, at_epoch_start: bool =
         for change in changes:
             report += host.sync.on_membership_change(change)
         recorder.elect()  # the logging rank may have left
+        # Every rank settles the replicas again before the next evaluation or checkpoint: the settle's collective may
+        # have completed on some ranks and not on one whose alarm rang (a regroup with no one gone), which would
+        # then settle alone while the others, settled at this step already, went on to the evaluation's allreduce.
+        loop.agreed_at_step = None
     for event in report.events:
         recorder.event(event, epoch, host.step)
     reshard = any(isinstance(r, RebuildTrainLoader) for r in report.requests)

@@ -504,17 +504,20 @@ def auto_switch_walk(cfg: dict, run_dir: str) -> None:
 @record
 def spurious_failure(cfg: dict, run_dir: str) -> None:
     """A real run in which rank 1 raises, once, a ``RuntimeError`` as a failed collective does, in the part of the
-    loop ``$SPURIOUS_PHASE`` names (step, exchange, evaluation, checkpoint, epoch boundary) at step 5 or after, with
-    every rank alive: an alarm that finds nobody gone."""
+    loop ``$SPURIOUS_PHASE`` names (step, exchange, evaluation, checkpoint, epoch boundary; settle: just after the
+    replicas' settle before an evaluation completed on every rank) at step 5 or after, with every rank alive: an
+    alarm that finds nobody gone."""
     from engine.loop import Trainer
 
     trainer = Trainer(cfg, run_dir)
     phase, fired = os.environ["SPURIOUS_PHASE"], []
 
-    def once(original, when=lambda *a: True):
+    def once(original, when=lambda *a: True, after=False):
         def part(*args, **kwargs):
             if not fired and trainer.step >= 5 and when(*args):
                 fired.append(trainer.step)
+                if after:  # (its collective completed everywhere; only this rank takes it for failed)
+                    original(*args, **kwargs)
                 raise RuntimeError(f"a collective of rank 1 failed on its own ({phase})")
             return original(*args, **kwargs)
 
@@ -531,4 +534,6 @@ def spurious_failure(cfg: dict, run_dir: str) -> None:
             trainer.save_checkpoint = once(trainer.save_checkpoint)
         elif phase == "epoch boundary":
             trainer.sync.on_epoch_start = once(trainer.sync.on_epoch_start)
+        elif phase == "settle":
+            trainer.sync.before_eval = once(trainer.sync.before_eval, after=True)
     _fit(trainer)

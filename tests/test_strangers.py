@@ -211,23 +211,28 @@ def test_ranks_holding_different_secrets_stop_at_once_saying_why(tmp_path):
         run_secret(str(tmp_path), str(loose))
 
 
-@pytest.mark.parametrize("phase", ["step", "exchange", "evaluation", "checkpoint", "epoch boundary"])
+@pytest.mark.parametrize("phase", ["step", "exchange", "evaluation", "checkpoint", "epoch boundary", "settle"])
 def test_a_failure_that_finds_every_rank_alive_is_survived_by_a_regroup(tmp_path, monkeypatch, phase):
     """Rank 1 raises, once, what a failed collective raises, with every rank alive (a spurious alarm: before, the
     run ended): the three ranks agree that nobody is gone, regroup, redo the part and finish, every step once, a
-    ``regrouped`` event and no rank lost."""
+    ``regrouped`` event and no rank lost. ``settle``: the replicas' settle before an evaluation completed on every
+    rank, and rank 1 alone takes it for failed; the others settled at this step already, and must settle again with
+    it (else it settles alone while they are in the evaluation's allreduce, and gloo aborts on the mismatch)."""
     from _workers import spurious_failure
     from conftest import records, train
 
     monkeypatch.setenv("SPURIOUS_PHASE", phase)
     steps = 12
+    # (settle: in the epoch's evaluation, where the others wait in its allreduce; one on the side settles nothing)
+    every = "trainer.eval_every_steps=null" if phase == "settle" else "trainer.eval_every_steps=6"
     _, metrics = train(
         tmp_path, *FAST, "trainer.nproc=3", "trainer.on_failure=continue", "trainer.epochs=2", "data.num_samples=144",
-        "data.batch_size=8", "data.image_size=16", "trainer.eval_every_steps=6", "trainer.checkpoint_every_steps=6",
+        "data.batch_size=8", "data.image_size=16", every, "trainer.checkpoint_every_steps=6",
         entrypoint=spurious_failure,
     )  # fmt: skip
     (summary,) = records(metrics, "summary")
     assert summary["finished"] and summary["world_size"] == 3 and summary["lost_ranks"] == []
+    assert summary["replica_spread"] == 0.0  # (identical replicas: no collective was paired with another)
     assert [r["step"] for r in records(metrics, "train")] == list(range(steps))
     regrouped = [r for r in metrics if r.get("event") == "regrouped"]
     assert len(regrouped) == 1 and regrouped[0]["cause"] == "nobody gone" and regrouped[0]["world_size"] == 3
@@ -249,3 +254,32 @@ def test_a_secret_file_others_may_read_or_that_does_not_exist_is_refused_before_
     kept.write_text("y" * 64)
     kept.chmod(0o600)
     assert plain_cfg(f"trainer.secret_file={kept}")["trainer"]["secret_file"] == str(kept)
+
+
+def test_the_stores_tls_files_are_checked_before_any_worker_starts(tmp_path):
+    """``trainer.store='etcds://...'`` needs ``trainer.store_tls`` (the CA, a certificate and its key), each a
+    readable file and the key its owner's only; TLS files with a plain ``etcd://`` store are refused too (they would
+    be ignored): each error names the key and what is wrong."""
+    from conftest import plain_cfg
+
+    from errors import ConfigError
+
+    files = {}
+    for name in ("ca", "cert", "key"):
+        files[name] = tmp_path / f"{name}.pem"
+        files[name].write_text("-----BEGIN-----\n")
+    files["key"].chmod(0o600)
+    tls = [f"trainer.store_tls.{name}={path}" for name, path in files.items()]
+    secure = "trainer.store='etcds://a:2379,b:2379'"
+    assert plain_cfg(secure, *tls)["trainer"]["store_tls"]["key"] == str(files["key"])
+    with pytest.raises(ConfigError, match=r"trainer.store_tls=None: expected the CA, certificate and key files"):
+        plain_cfg(secure)
+    with pytest.raises(ConfigError, match="trainer.store_tls=.*exactly where trainer.store is etcds://"):
+        plain_cfg("trainer.store='etcd://a:2379'", *tls)
+    files["key"].chmod(0o644)
+    with pytest.raises(ConfigError, match=r"store_tls.key=.*expected a key only its owner may read \(mode 644\)"):
+        plain_cfg(secure, *tls)
+    with pytest.raises(ConfigError, match=r"trainer.store_tls.ca='.*none.pem': expected a readable file \(there"):
+        plain_cfg(secure, f"trainer.store_tls.ca={tmp_path / 'none.pem'}", *tls[1:])
+    with pytest.raises(ConfigError, match="trainer.store_tls.key=None: expected a path, as the two others"):
+        plain_cfg(secure, *tls[:2])
