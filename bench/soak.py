@@ -308,13 +308,19 @@ def soak(sync: str, share: int, args: argparse.Namespace, workdir: Path, port: i
             if not run.fail(rng, ctx, cfg):
                 break
             failures += 1
-        run.wait_for(lambda: False, 3600, "the run's end") if not run.finished() else None
+        cut = None
+        try:
+            run.wait_for(lambda: False, args.end_within, "the run's end") if not run.finished() else None
+        except TimeoutError as error:  # (every failure survived, still training: what was recorded counts)
+            cut = str(error)
     except TimeoutError as error:
         return {"sync": sync, "error": str(error)}
     finally:
         run.close()
     row = analyse(run.metrics())
     row.update(sync=sync, failures=len([i for i in run.injected if i["kind"] != "join"]), wall_s=time.time() - started)
+    if cut:
+        row["cut_short"] = cut
     row["victims"] = victims(run.injected, row.pop("pauses"))
     if run.db:
         row["db"] = run.db
@@ -368,7 +374,9 @@ def analyse(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     steps = [r for r in metrics if r["kind"] == "train"]
     times = [r["time"] for r in steps]
     events = [r for r in metrics if r["kind"] == "event"]
-    summary = next(r for r in reversed(metrics) if r["kind"] == "summary")
+    # (a run cut short at the soak's deadline has no summary: its last evaluation, and not finished)
+    summary = next((r for r in reversed(metrics) if r["kind"] == "summary"), None)
+    last_eval = next((r for r in reversed(metrics) if r["kind"] == "eval"), {"top1": float("nan")})
     step_s = median([r["step_s"] for r in steps])
     numbers = [r["step"] for r in steps]
     pauses: dict[str, list[float]] = {"kill": [], "hang": [], "join": []}
@@ -397,8 +405,8 @@ def analyse(metrics: list[dict[str, Any]]) -> dict[str, Any]:
         "median_step_s": step_s,
         "standstill_s": pauses,
         "pauses": each,
-        "top1": summary["top1"],
-        "finished": summary["finished"],
+        "top1": (summary or last_eval)["top1"],
+        "finished": bool(summary and summary["finished"]),
     }
 
 
@@ -427,12 +435,17 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['sync']} | failed: {r['error'][:100]} ||||||||")
             continue
         standstill = r["standstill_s"]
+        injected = "?" if r["failures"] is None else r["failures"]
         lines.append(
-            f"| {r['sync']} | {r['survived']} of {r['failures']} ({r['kills']} + {r['hangs']}) | {r['joins']} | "
+            f"| {r['sync']} | {r['survived']} of {injected} ({r['kills']} + {r['hangs']}) | {r['joins']} | "
             f"{r['lost_steps']} | {stats(standstill['kill'])} | {stats(standstill['hang'])} | "
             f"{stats(standstill['join'])} | {r['top1']:.2f}% ({r.get('undisturbed_top1', float('nan')):.2f}%) | "
             f"{r['wall_s'] / 60:.1f} min |"
         )
+    for r in rows:
+        if r.get("cut_short"):
+            why = r["cut_short"]
+            lines += ["", f"{r['sync']}: cut short, every failure survived and the run still training ({why})."]
     sized = [r for r in rows if r.get("db_in_use")]
     if sized:
         lines += ["", "The etcd members' database in use (the largest member's; kB):", "",
@@ -477,6 +490,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also train each run undisturbed, for its top-1 (as long again)",
     )
     parser.add_argument("--db-every", type=float, default=15.0, help="seconds between reads of the members' size")
+    parser.add_argument(
+        "--end-within", type=float, default=3600.0,
+        help="seconds the run has to end after its last failure; past them it is stopped and what it recorded is "
+        "analysed, marked cut short (default 3600)",
+    )  # fmt: skip
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument(
@@ -514,9 +532,18 @@ def report(workdir: Path, out: Path, command: str) -> int:
     old = json.loads((out / "soak.json").read_text())
     rows = []
     for row in old["rows"]:
+        run_dir = workdir / row["sync"]
+        if "error" in row and "the run's end not within" in row["error"] and (run_dir / "metrics.jsonl").exists():
+            # (stopped at the deadline of a soak without --end-within, every failure survived: cut short; the
+            # failures injected were not recorded, the rank_lost events say how many were survived)
+            row = {"sync": row["sync"], "cut_short": row["error"], "failures": None, "wall_s": None}
         if "error" not in row:
-            kept = {k: row[k] for k in ("sync", "failures", "wall_s", "undisturbed_top1") if k in row}
-            row = {**kept, **analyse(read_metrics(str(workdir / row["sync"] / "metrics.jsonl")))}
+            kept = {k: row[k] for k in ("sync", "failures", "wall_s", "undisturbed_top1", "cut_short") if k in row}
+            row = {**kept, **analyse(read_metrics(str(run_dir / "metrics.jsonl")))}
+            if (run_dir / "etcd-db.jsonl").exists():
+                row["db"] = [json.loads(line) for line in open(run_dir / "etcd-db.jsonl")]
+                row["db_in_use"] = db_summary(row["db"])
+                row["wall_s"] = row["wall_s"] or max(s["t"] for s in row["db"])
         rows.append(row)
     write({"command": old["command"], "analysed_by": command, "wall_s": old["wall_s"]}, rows, out)
     return 0
@@ -532,7 +559,9 @@ def write(head: dict[str, Any], rows: list[dict[str, Any]], out: Path) -> None:
         **head,
         "machine": machine(),
         "failures_survived": sum(r.get("survived", 0) for r in rows),
-        "failures_injected": sum(r.get("failures", 0) for r in rows),
+        "failures_injected": None  # (not recorded: a run re-analysed after the soak's deadline stopped it)
+        if any("failures" in r and r["failures"] is None for r in rows)
+        else sum(r.get("failures", 0) for r in rows),
         "lost_steps": sum(r.get("lost_steps", 0) for r in rows),
         # (every failure; then kills and hangs apart: a kill is seen at once, a hang at trainer.hang_timeout_s)
         "standstill_s": {**spread(("kill", "hang")), "kill": spread(("kill",)), "hang": spread(("hang",))},
