@@ -433,6 +433,12 @@ def test_the_any_node_example_runs_its_etcd_members_with_tls_and_trains(slurm, t
     assert "store: etcds://n1:" in config and "/tls/client.key" in config
     assert (job_dir / "tls" / "ca.crt").exists() and os.stat(job_dir / "tls").st_mode & 0o777 == 0o700
     assert os.stat(job_dir / "tls" / "ca.key").st_mode & 0o077 == 0 and os.stat(job_dir).st_mode & 0o077 == 0
+    import glob
+
+    deadline = time.monotonic() + 30  # (the members' data, new for the job, go when their step ends)
+    while glob.glob(f"/tmp/relaxsync-etcd-{job}-*") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not glob.glob(f"/tmp/relaxsync-etcd-{job}-*")
 
 
 def _free_port_pair() -> int:
