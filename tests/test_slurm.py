@@ -412,33 +412,44 @@ def test_the_any_node_example_runs_its_etcd_members_with_tls_and_trains(slurm, t
     """examples/slurm/train-any-node.sbatch as a user submits it, on both nodes: the job makes its CA and
     certificates in a 0700 job directory, starts a member on each node that speaks TLS to clients and peers and
     requires a client certificate, and its workers train on the run's store there (etcds://) with the run's
-    secret, to the end."""
+    secret, to the end. Its members start on data of their own, whatever an earlier job with the same id left in
+    /tmp (a fresh Slurm cluster numbers its jobs from 1 again: on such data a member looks for that job's peers),
+    and the job removes them at its end."""
+    import glob
+
     job_dir = tmp_path / "job"
     env = dict(
         slurm, RELAXSYNC_JOB_DIR=str(job_dir), RELAXSYNC_ETCD_PORT=str(_free_port_pair()), RELAXSYNC_ETCD_PORT_STEP="2"
     )  # fmt: skip  (n1 and n2 share this host: ports of their own)
     script = ROOT / "examples" / "slurm" / "train-any-node.sbatch"
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", "--nodes", "2", "--cpus-per-task", "1", "--time", "10", "-o",
-         str(tmp_path / "slurm-%j.out"), str(script), *RUN[:-1], "trainer.max_steps=6", "trainer.hang_timeout_s=20"],
-        cwd=ROOT, env=env, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    job = submitted.stdout.strip().split(";")[0]
-    _until_completed(slurm, job, tmp_path, time.monotonic() + 240)
-    out = (tmp_path / f"slurm-{job}.out").read_text()
-    rows = read_metrics(str(job_dir / "metrics.jsonl"))
-    (summary,) = records(rows, "summary")
-    assert summary["finished"] and summary["world_size"] == 2 and summary["steps"] == 6, out[-3000:]
-    config = (job_dir / "config.yaml").read_text()
-    assert "store: etcds://n1:" in config and "/tls/client.key" in config
-    assert (job_dir / "tls" / "ca.crt").exists() and os.stat(job_dir / "tls").st_mode & 0o777 == 0o700
-    assert os.stat(job_dir / "tls" / "ca.key").st_mode & 0o077 == 0 and os.stat(job_dir).st_mode & 0o077 == 0
-    import glob
-
-    deadline = time.monotonic() + 30  # (the members' data, new for the job, go when their step ends)
-    while glob.glob(f"/tmp/relaxsync-etcd-{job}-*") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not glob.glob(f"/tmp/relaxsync-etcd-{job}-*")
+    planted = [Path(f"/tmp/relaxsync-etcd-{j}-{i}") for j in range(1, 100) for i in range(2)]
+    planted = [p for p in planted if not p.exists()]
+    try:
+        for p in planted:
+            (p / "member").mkdir(parents=True)
+        submitted = subprocess.run(
+            ["sbatch", "--parsable", "--nodes", "2", "--cpus-per-task", "1", "--time", "10", "-o",
+             str(tmp_path / "slurm-%j.out"), str(script), *RUN[:-1], "trainer.max_steps=6",
+             "trainer.hang_timeout_s=20"],
+            cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        job = submitted.stdout.strip().split(";")[0]
+        _until_completed(slurm, job, tmp_path, time.monotonic() + 240)
+        out = (tmp_path / f"slurm-{job}.out").read_text()
+        rows = read_metrics(str(job_dir / "metrics.jsonl"))
+        (summary,) = records(rows, "summary")
+        assert summary["finished"] and summary["world_size"] == 2 and summary["steps"] == 6, out[-3000:]
+        config = (job_dir / "config.yaml").read_text()
+        assert "store: etcds://n1:" in config and "/tls/client.key" in config
+        assert (job_dir / "tls" / "ca.crt").exists() and os.stat(job_dir / "tls").st_mode & 0o777 == 0o700
+        assert os.stat(job_dir / "tls" / "ca.key").st_mode & 0o077 == 0 and os.stat(job_dir).st_mode & 0o077 == 0
+        deadline = time.monotonic() + 30  # (the job's end removes them)
+        while glob.glob(f"/tmp/relaxsync-etcd-{job}-*") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not glob.glob(f"/tmp/relaxsync-etcd-{job}-*")
+    finally:
+        for p in planted:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _free_port_pair() -> int:
