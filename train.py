@@ -72,13 +72,34 @@ def worker_config(argv: list[str]) -> dict[str, Any]:
         fail(error)
 
 
+def launched_run_dir(plain: dict[str, Any], argv: list[str], rank: str) -> str:
+    """The run dir of a worker torchrun or srun started: ``trainer.run_dir``, else a literal ``hydra.run.dir`` on
+    the command line (what Hydra would have used, without Hydra's output dir around the workers), else the job's
+    (:func:`engine.launchers.external_run_dir`). A ``hydra.run.dir`` with an interpolation (``${now:...}``) would
+    resolve to another directory in each process: it is left, and rank ``"0"`` says so."""
+    from engine.launchers import external_run_dir
+
+    if plain["trainer"]["run_dir"]:
+        return plain["trainer"]["run_dir"]
+    given = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+") == "hydra.run.dir" and "=" in a]
+    if given and "${" not in given[-1]:
+        return given[-1]
+    run_dir = external_run_dir()
+    if given and rank == "0":
+        print(
+            f"relaxsync: hydra.run.dir={given[-1]} is not used under this launcher (each process would resolve it "
+            f"to a directory of its own); the run dir is {run_dir}: set trainer.run_dir to choose it",
+            file=sys.stderr,
+        )
+    return run_dir
+
+
 def worker_main(argv: list[str]) -> Any:
     """A worker torchrun started: train."""
-    from engine.launchers import external_run_dir
     from engine.worker import exit_if_left, run_worker
 
     plain = worker_config(argv)
-    return exit_if_left(run_worker(plain, plain["trainer"]["run_dir"] or external_run_dir()))
+    return exit_if_left(run_worker(plain, launched_run_dir(plain, argv, os.environ.get("RANK", "0"))))
 
 
 def slurm_worker(plain: dict[str, Any], run_dir: str) -> Any:
@@ -97,8 +118,6 @@ def slurm_worker(plain: dict[str, Any], run_dir: str) -> Any:
 
 def slurm_worker_main(argv: list[str]) -> None:
     """A task ``srun`` started."""
-    from engine.launchers import external_run_dir
-
     nproc = [a for a in argv if a.split("=")[0].lstrip("+") == "trainer.nproc"]
     if nproc and os.environ["SLURM_PROCID"] == "0":
         print(
@@ -107,7 +126,7 @@ def slurm_worker_main(argv: list[str]) -> None:
             file=sys.stderr,
         )
     plain = worker_config(argv)
-    slurm_worker(plain, plain["trainer"]["run_dir"] or external_run_dir())
+    slurm_worker(plain, launched_run_dir(plain, argv, os.environ["SLURM_PROCID"]))
 
 
 if __name__ == "__main__":

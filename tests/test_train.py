@@ -389,3 +389,30 @@ def test_an_evaluation_records_what_the_logging_rank_waited_in_it_for_the_slowes
     )  # fmt: skip
     side = [e for e in records(metrics, "eval") if e.get("on_the_side")]
     assert side and all(0.2 <= e["wait_s"] <= e["eval_s"] for e in side), side  # (two steps' sleeps: 0.4 s)
+
+
+def test_a_literal_hydra_run_dir_is_the_run_dir_under_torchrun_and_one_with_an_interpolation_is_said_unused(
+    tmp_path, monkeypatch, capsys
+):
+    """Under torchrun (or srun) Hydra puts no output dir around the workers: a ``hydra.run.dir`` on the command line
+    is the run dir as it would be under the local launcher. One that interpolates (``${now:...}``) would resolve to
+    a directory of its own in each process: the job's run dir is used, and rank 0 says so."""
+    import train
+
+    given = tmp_path / "given"
+    cmd = _torchrun("--standalone", "--nproc-per-node", "2", "train.py", *FAST, "trainer.max_steps=2")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([*cmd, f"hydra.run.dir={given}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(records(read_metrics(str(given / "metrics.jsonl")), "train")) == 2
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    plain = {"trainer": {"run_dir": None}}
+    argv = ["trainer.epochs=2", "hydra.run.dir=outputs/${now:%H-%M-%S}"]
+    assert train.launched_run_dir(plain, argv, "0") == os.path.join("outputs", "torchrun", "job7")
+    assert "hydra.run.dir=outputs/${now:%H-%M-%S} is not used under this launcher" in capsys.readouterr().err
+    assert train.launched_run_dir(plain, argv, "1") == os.path.join("outputs", "torchrun", "job7")
+    assert capsys.readouterr().err == ""  # (rank 0 says it, once)
+    assert train.launched_run_dir({"trainer": {"run_dir": "/r"}}, argv, "0") == "/r"
