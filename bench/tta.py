@@ -43,6 +43,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,22 +56,69 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "fleet": {"label": "(a) 100 Mbit", "rates": ["100mbit"]},
     "1gbit": {"label": "(b) 1 Gbit", "rates": ["1gbit"]},
     "uneven": {
-        "label": "(c) uneven: 1 Gbit, one node at 100 Mbit, one 3x slower from epoch 2",
+        "label": "(c) uneven: 1 Gbit, one node at 100 Mbit, one 3x slower from epoch {slow}",
         "rates": ["1gbit", "1gbit", "1gbit", "100mbit"],  # the last node's link (the others' for fewer nodes)
-        "overrides": ["straggler=sleep", "straggler.ranks=[1]", "straggler.slowdown=3", "straggler.start_epoch=2"],
+        "overrides": ["straggler=sleep", "straggler.ranks=[1]", "straggler.slowdown=3", "straggler.start_epoch={slow}"],
     },
-    # The cluster changes mid-run: what sync=auto decides again for.
+    # The cluster changes mid-run (at the job's change epoch): what sync=auto decides again for.
     "drop": {
-        "label": "(d) every link 1 Gbit, dropped to 100 Mbit at epoch 3",
+        "label": "(d) every link 1 Gbit, dropped to 100 Mbit at epoch {change}",
         "rates": ["1gbit"],
-        "then": {"epoch": 3, "rates": ["100mbit"]},  # (tc, as the first record of epoch 3 is written)
+        "then": {"rates": ["100mbit"]},  # (tc, as the first record of the change epoch is written)
     },
     "slowed": {
-        "label": "(e) 1 Gbit, one node 3x slower from epoch 3",
+        "label": "(e) 1 Gbit, one node 3x slower from epoch {change}",
         "rates": ["1gbit"],
-        "overrides": ["straggler=sleep", "straggler.ranks=[1]", "straggler.slowdown=3", "straggler.start_epoch=3"],
+        "overrides": [
+            "straggler=sleep",
+            "straggler.ranks=[1]",
+            "straggler.slowdown=3",
+            "straggler.start_epoch={change}",
+        ],  # fmt: skip
     },
 }
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every cell trains (``experiment``), its target and cap (the experiment's own ``trainer.target_top1`` and
+    ``trainer.epochs``), the epochs at which its scenarios change (``slow``: the uneven cluster's node slows;
+    ``change``: the links drop or a node slows, about mid-run), and the steps ratios sync=auto reads on it."""
+
+    experiment: str
+    target: float
+    epochs: int
+    slow: int
+    change: int
+    ratios: str  # (a bench/tta result file, relative to the project)
+    train_images: int = 1438  # (digits' training split)
+    node_batch: int = 32  # (one process per node)
+
+
+JOBS = {
+    # timm's test_resnet on digits at 32 px to 95 %: 60-70 steps, 3-5 s of training at 1 Gbit.
+    "tta": Job("tta", target=95.0, epochs=25, slow=2, change=3, ratios="bench/results/tta_ratios.jsonl"),
+    # The same model at 40 px on augmented digits, lr 0.3, to 97 %: ~300 steps, where local updates cost steps.
+    "tta_hard": Job(
+        "tta_hard", target=97.0, epochs=60, slow=2, change=12, ratios="bench/results/tta_hard_ratios.jsonl"
+    ),
+}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def scenario_of(name: str, job: Job) -> dict[str, Any]:
+    """Scenario ``name`` for ``job``: its epochs filled in (the uneven node slows at ``job.slow``, drop and slowed
+    change at ``job.change``)."""
+    spec = SCENARIOS[name]
+    epochs = {"slow": job.slow, "change": job.change}
+    out = dict(spec, label=spec["label"].format(**epochs))
+    if "overrides" in spec:
+        out["overrides"] = [o.format(**epochs) for o in spec["overrides"]]
+    if "then" in spec:
+        out["then"] = dict(spec["then"], epoch=job.change)
+    return out
+
+
 DEFAULT_SCENARIOS = ("fleet", "1gbit", "uneven")  # the table's; drop and slowed are for sync=auto (--repeats)
 UNEVEN = ("uneven", "slowed")  # the scenarios that also run the relaxed-sync cells
 # sync=auto reads the steps ratios from bench/tta's results: a copy of those there when the run starts (this run
@@ -81,8 +129,6 @@ DEFAULT_ALGORITHMS = (
     "auto"
 )
 SCOPES = ("node", "process")  # (--procs > 1: each cell at both)
-NODE_BATCH = 32  # experiment=tta's batch: one process per node
-DIGITS_TRAIN = 1438  # images in digits' training split (experiment=tta)
 FLEET_SPARSITY = "[0.75,0.9375,0.984375,0.996,0.999]"
 WARMED_UP = {"dgc": "sync", "relaxed_dgc": "sync.inner"}  # the cells that run DGC, and where its section is
 # The uneven scenario also runs these under relaxed sync: eviction composed with an exchange, evicting ranks slower
@@ -156,10 +202,10 @@ def time_to_target(metrics: list[dict[str, Any]], target: float) -> dict[str, An
     }
 
 
-def fleet_warmup(nodes: int, section: str) -> list[str]:
+def fleet_warmup(nodes: int, section: str, job: Job = JOBS["tta"]) -> list[str]:
     """DGC's sparsity warm-up as Fleet's examples and bench/dgc_accuracy run it: dense for the first epoch, then
     0.75, 0.9375, 0.984375 and 0.996 over the next two, then 0.999 (``section``: ``sync`` or ``sync.inner``)."""
-    epoch = steps_per_epoch(DIGITS_TRAIN, nodes, 32)
+    epoch = steps_per_epoch(job.train_images, nodes, job.node_batch)
     return [
         f"{section}.rampup_begin_step={epoch}",
         f"{section}.rampup_step={2 * epoch}",
@@ -170,24 +216,24 @@ def fleet_warmup(nodes: int, section: str) -> list[str]:
 def cells_of(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
     """(scenario, algorithm key, column name, overrides) for every run, in the order they run; the period sweep
     (scenario ``sweep``) last, on the 100 Mbit tier, for ``--sweep-epochs`` without a target."""
-    out = []
+    out, job = [], JOBS[args.job]
     for scenario in args.scenarios:
         keys = list(args.algorithms) + (list(args.relaxed) if scenario in UNEVEN else [])
         for key in keys:
             name, overrides = (ALGORITHMS | RELAXED)[key]
             if key in WARMED_UP:  # (bench/network's DGC compresses from step 0)
-                name, overrides = f"{name} (warm-up)", [*overrides, *fleet_warmup(args.nodes, WARMED_UP[key])]
+                name, overrides = f"{name} (warm-up)", [*overrides, *fleet_warmup(args.nodes, WARMED_UP[key], job)]
             run = [f"trainer.epochs={args.epochs}", f"trainer.target_top1={args.target}"]
             if key in RELAXED:  # (the node is 3x slower: the default threshold, 3x the median, is a coin toss)
                 run.append(f"sync.relaxed_sync_threshold={RELAXED_THRESHOLD}")
             if key == AUTO:
                 run.append(f"sync.steps_data={args.steps_data}")
-            out.append((scenario, key, name, [*overrides, *SCENARIOS[scenario].get("overrides", []), *run]))
+            out.append((scenario, key, name, [*overrides, *scenario_of(scenario, job).get("overrides", []), *run]))
     fixed = [f"trainer.epochs={args.sweep_epochs}", "trainer.target_top1=null"]
     out += [("sweep", key, SWEEP[key][0], [*SWEEP[key][1], *fixed]) for key in args.sweep]
     if args.procs == 1:
         return out
-    per_process = [f"data.batch_size={NODE_BATCH // args.procs}"]
+    per_process = [f"data.batch_size={job.node_batch // args.procs}"]
     return [
         (scenario, f"{key}@{scope}", f"{name} [{scope}]", [*overrides, *per_process, f"sync.scope={scope}"])
         for scenario, key, name, overrides in out
@@ -206,14 +252,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     jsonl = out / f"{args.name}.jsonl"
     jsonl.write_text("")
     workdir = Path(tempfile.mkdtemp(prefix="relaxsync-tta-"))
-    if args.steps_data is None:  # (sync=auto's data: the results as they were, before this run rewrites them)
+    if args.steps_data is None:  # (sync=auto's data: the job's results as they were, before this run rewrites them)
         args.steps_data = str(workdir / "steps-data.jsonl")
-        from algorithms.auto import DATA
-
-        shutil.copyfile(DATA, args.steps_data)
+        shutil.copyfile(ROOT / JOBS[args.job].ratios, args.steps_data)
     rows = []
     common = [
-        "experiment=tta", f"trainer.eval_every_steps={args.eval_every}",
+        f"experiment={args.job}", f"trainer.eval_every_steps={args.eval_every}",
     ]  # fmt: skip
     cells = cells_of(args)  # (with --repeats: a scenario's cells once each, then again, side by side in time)
     runs = [
@@ -232,12 +276,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     shaped = scenario
                 of = f" ({attempt} of {args.repeats})" if args.repeats > 1 else ""
                 print(f"[{time.strftime('%H:%M:%S')}] {scenario:>7}  {name}{of}", flush=True)
-                row = {"scenario": scenario, "algorithm": key, "name": name, "nodes": args.nodes, "target": args.target,
+                row = {"job": args.job, "scenario": scenario, "algorithm": key, "name": name, "nodes": args.nodes,
+                       "target": args.target,
                        "procs_per_node": args.procs, "scope": key.partition("@")[2] or "process"}  # fmt: skip
                 if args.repeats > 1:
                     row["attempt"], row["seed"] = attempt, args.seed + attempt - 1
                 try:
-                    then = SCENARIOS.get(scenario, {}).get("then")  # (the sweep is no scenario: it stays as shaped)
+                    # (the sweep is no scenario: it stays as shaped)
+                    then = scenario_of(scenario, JOBS[args.job]).get("then") if scenario in SCENARIOS else None
                     change = None
                     if then is not None:
                         change = (then["epoch"], lambda rates=then["rates"]: net.shape(rates * args.nodes))
@@ -283,8 +329,16 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def label(scenario: str) -> str:
-    return "period sweep at 100 Mbit, fixed epochs" if scenario == "sweep" else SCENARIOS[scenario]["label"]
+def label(scenario: str, job: str = "tta") -> str:
+    """A scenario's name in the tables (its epochs those of ``job``)."""
+    if scenario == "sweep":
+        return "period sweep at 100 Mbit, fixed epochs"
+    return scenario_of(scenario, JOBS[job])["label"]
+
+
+def job_of(rows: list[dict[str, Any]]) -> str:
+    """The job a run's records trained (records before the second job: ``tta``)."""
+    return rows[0].get("job", "tta") if rows else "tta"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -316,10 +370,10 @@ def table(rows: list[dict[str, Any]]) -> str:
                     reached = [t for t in r["runs_s"] if t is not None]
                     spread = f" [{len(reached)}/{len(r['runs_s'])}: {min(reached):.1f}–{max(reached):.1f} s]"
                 out.append(f"{r['seconds']:.1f} s{ratio}{spread}, {r['steps']} steps, {r['mb_per_node']:.0f} MB")
-        lines.append(f"| {label(scenario)} | " + " | ".join(out) + " |")
+        lines.append(f"| {label(scenario, job_of(rows))} | " + " | ".join(out) + " |")
     lines.append("")
     for scenario in dict.fromkeys(r["scenario"] for r in rows):
-        lines.append(f"- {label(scenario)}: {verdict([r for r in rows if r['scenario'] == scenario])}")
+        lines.append(f"- {label(scenario, job_of(rows))}: {verdict([r for r in rows if r['scenario'] == scenario])}")
     return "\n".join(lines)
 
 
@@ -379,14 +433,14 @@ def scope_table(rows: list[dict[str, Any]]) -> str:
         return f"{r['seconds']:.1f} s ({r['steps']} steps)" if r["reached"] else f"not reached ({r['best_top1']:.1f}%)"
 
     for scenario in dict.fromkeys(r["scenario"] for r in rows):
-        cells = {r["algorithm"]: r for r in rows if r["scenario"] == scenario}
+        cells, where = {r["algorithm"]: r for r in rows if r["scenario"] == scenario}, label(scenario, job_of(rows))
         for key in dict.fromkeys(k.partition("@")[0] for k in cells):
             node, process = cells.get(f"{key}@node"), cells.get(f"{key}@process")
             both = node and process and node.get("reached") and process.get("reached")
             ratio = f"{node['seconds'] / process['seconds']:.2f}" if both else ""
             wire = f"{node['wire_mb_node0']:.1f} / {process['wire_mb_node0']:.1f}" if both else ""
             name = (node or process)["name"].rsplit(" [", 1)[0]
-            lines.append(f"| {label(scenario)} | {name} | {seconds(node)} | {seconds(process)} | {ratio} | {wire} |")
+            lines.append(f"| {where} | {name} | {seconds(node)} | {seconds(process)} | {ratio} | {wire} |")
     return "\n".join(lines)
 
 
@@ -434,7 +488,7 @@ def plot(rows: list[dict[str, Any]], out: Path, name: str = "tta") -> list[Path]
             ax.axhline(target, color="grey", linewidth=1, linestyle=":", label=f"target {target:g}%")
         ax.set_xlabel("training seconds (evaluations left out, but for their waits for the slowest rank)")
         ax.set_ylabel("validation top-1 (%)")
-        ax.set_title(f"time to accuracy: {label(scenario)}", fontsize=10)
+        ax.set_title(f"time to accuracy: {label(scenario, job_of(rows))}", fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
@@ -465,10 +519,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--steps-data", help="sync=auto's steps ratios: a bench/tta result file (default: a copy of sync=auto's own)"
     )
+    parser.add_argument(
+        "--job", default="tta", choices=tuple(JOBS), help="what every cell trains: experiment=<job> (default: tta)"
+    )
     parser.add_argument("--nodes", type=int, default=4, choices=(2, 3, 4))
-    parser.add_argument("--target", type=float, default=95.0, help="validation top-1 (%%) to reach")
+    parser.add_argument("--target", type=float, help="validation top-1 (%%) to reach (default: the job's)")
     parser.add_argument("--eval-every", type=int, default=2, help="steps between evaluations")
-    parser.add_argument("--epochs", type=int, default=25, help="the cap: a run that has not reached the target stops")
+    parser.add_argument(
+        "--epochs", type=int, help="the cap: a run that has not reached the target stops (default: the job's)"
+    )
     parser.add_argument("--max-steps", type=int, default=None, help="also stop a run after this many steps")
     parser.add_argument("--sweep", default=",".join(SWEEP), help="the period sweep's cells ('' for none)")
     parser.add_argument("--sweep-epochs", type=int, default=8, help="epochs each sweep cell trains, without a target")
@@ -486,11 +545,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--name", help="the results' file names (default: tta, or tta_nodes with --procs > 1)")
     parser.add_argument("--report", metavar="DIR", help="only redraw the table and plots from DIR/<name>.jsonl")
     args = parser.parse_args(argv)
-    if args.procs < 1 or NODE_BATCH % args.procs:
-        parser.error(f"--procs={args.procs}: a divisor of the node's batch, {NODE_BATCH}")
+    job = JOBS[args.job]
+    args.target = job.target if args.target is None else args.target
+    args.epochs = job.epochs if args.epochs is None else args.epochs
+    if args.procs < 1 or job.node_batch % args.procs:
+        parser.error(f"--procs={args.procs}: a divisor of the node's batch, {job.node_batch}")
     if args.repeats < 1:
         parser.error(f"--repeats={args.repeats}: 1 or more")
-    args.name = args.name or ("tta" if args.procs == 1 else "tta_nodes")
+    args.name = args.name or (args.job if args.procs == 1 else f"{args.job}_nodes")
+    if AUTO in args.algorithms and args.steps_data is None and not (ROOT / job.ratios).is_file():
+        parser.error(f"--algorithms={','.join(args.algorithms)}: sync=auto on --job {args.job} reads {job.ratios} "
+                     "(not there yet: run its candidates first, or give --steps-data)")  # fmt: skip
     for flag, value, allowed in (
         ("--scenarios", args.scenarios, SCENARIOS),
         ("--algorithms", args.algorithms, ALGORITHMS),

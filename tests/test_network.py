@@ -166,6 +166,37 @@ def test_time_to_target_leaves_evaluations_out_of_the_clock_and_counts_bytes_up_
     assert [c["s"] for c in time_to_target(waited, target=80.0)["curve"]] == pytest.approx([2.25, 4.5, 6.75])
 
 
+def test_the_second_job_runs_its_experiment_with_its_target_cap_and_change_epochs(monkeypatch):
+    from dataclasses import replace
+
+    from conftest import compose_cfg
+
+    from bench import tta
+
+    for name, job in tta.JOBS.items():  # (the bench's copy of each experiment's target, cap and batch)
+        cfg = compose_cfg(f"experiment={name}")
+        assert (cfg.trainer.target_top1, cfg.trainer.epochs, cfg.data.batch_size) == (
+            job.target, job.epochs, job.node_batch,
+        )  # fmt: skip
+    hard = tta.JOBS["tta_hard"]
+    args = tta.parse_args(["--job", "tta_hard", "--scenarios", "uneven,drop,slowed", "--algorithms",
+                           "allreduce,dgc", "--relaxed", "relaxed_streaming", "--sweep", ""])  # fmt: skip
+    assert (args.name, args.target, args.epochs) == ("tta_hard", hard.target, hard.epochs)
+    cells = {(s, k): overrides for s, k, _, overrides in tta.cells_of(args)}
+    assert f"trainer.target_top1={hard.target}" in cells["drop", "allreduce"]
+    assert f"trainer.epochs={hard.epochs}" in cells["drop", "allreduce"]
+    assert f"straggler.start_epoch={hard.slow}" in cells["uneven", "allreduce"]
+    assert f"straggler.start_epoch={hard.change}" in cells["slowed", "relaxed_streaming"]
+    assert "sync.rampup_begin_step=11" in cells["drop", "dgc"]  # (DGC's dense first epoch: 1438 // 4 // 32 steps)
+    assert tta.scenario_of("drop", hard)["then"]["epoch"] == hard.change
+    assert f"epoch {hard.change}" in tta.label("drop", "tta_hard") and "epoch 3" in tta.label("drop", "tta")
+    assert tta.job_of([{"scenario": "fleet"}]) == "tta"  # (records from before the second job)
+    # sync=auto on a job is priced from that job's steps ratios: none recorded, the bench refuses before any cell.
+    monkeypatch.setitem(tta.JOBS, "tta_hard", replace(hard, ratios="bench/results/no-such-ratios.jsonl"))
+    with pytest.raises(SystemExit):
+        tta.parse_args(["--job", "tta_hard", "--algorithms", "allreduce,auto"])
+
+
 def test_with_processes_per_node_each_cell_runs_at_both_scopes_with_the_nodes_batch_split():
     from bench.tta import cells_of, parse_args, scope_table
 
