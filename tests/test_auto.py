@@ -140,6 +140,27 @@ def test_bench_auto_model_ranks_the_candidates_at_each_link_rate():
     assert rows[-1][1][0][0] == "streaming" and dict(rows[-1][1])["localsgd16"] > 2
 
 
+def test_sync_auto_reads_the_second_jobs_recorded_steps_ratios():
+    """bench/tta's second job (``--job tta_hard``) records its own steps ratios; pointed there by ``sync.steps_data``
+    sync=auto prices its candidates by them: on that job local SGD k=16 costs half again allreduce's steps (none on
+    the first), DiLoCo and streaming DiLoCo never reached the target (no candidate there), and on that job's 1 Gbit
+    cluster the choice differs from the first job's (local SGD k=4 there, k=16 by the first job's ratios)."""
+    from bench.tta import JOBS
+    from engine.config import prepare
+
+    data = ROOT / JOBS["tta_hard"].ratios
+    hard, first = read_step_ratios(data), read_step_ratios(DATA)
+    assert hard["localsgd16"] >= 1.3 > first["localsgd16"]
+    assert "streaming" not in hard and "diloco" not in hard and "streaming" in first
+    plain = prepare(compose_cfg("experiment=tta_hard", "sync=auto", f"sync.steps_data={data}"))
+    from hydra.utils import instantiate
+
+    auto = instantiate({k: v for k, v in plain["sync"].items() if k != "scope"})  # (as engine.scope.build_sync)
+    assert isinstance(auto, AutoSync) and auto.ratios == hard
+    gbit = _cluster([0.073] * 4, 117e6)  # (the job's pace: its sync=none cell's step; 1 Gbit through tbf)
+    assert decide(_candidates(), hard, gbit).key != decide(_candidates(), first, gbit).key
+
+
 def test_relaxed_candidates_only_where_they_would_evict():
     candidates, ratios = _candidates(), read_step_ratios(DATA)
     even = _cluster([0.038] * 4, 117e6)

@@ -175,19 +175,19 @@ def test_the_second_job_runs_its_experiment_with_its_target_cap_and_change_epoch
 
     for name, job in tta.JOBS.items():  # (the bench's copy of each experiment's target, cap and batch)
         cfg = compose_cfg(f"experiment={name}")
-        assert (cfg.trainer.target_top1, cfg.trainer.epochs, cfg.data.batch_size) == (
-            job.target, job.epochs, job.node_batch,
+        assert (cfg.trainer.target_top1, cfg.trainer.epochs, cfg.data.batch_size, cfg.trainer.eval_every_steps) == (
+            job.target, job.epochs, job.node_batch, job.eval_every,
         )  # fmt: skip
     hard = tta.JOBS["tta_hard"]
     args = tta.parse_args(["--job", "tta_hard", "--scenarios", "uneven,drop,slowed", "--algorithms",
                            "allreduce,dgc", "--relaxed", "relaxed_streaming", "--sweep", ""])  # fmt: skip
-    assert (args.name, args.target, args.epochs) == ("tta_hard", hard.target, hard.epochs)
+    assert (args.name, args.target, args.epochs, args.eval_every) == ("tta_hard", hard.target, hard.epochs, 4)
     cells = {(s, k): overrides for s, k, _, overrides in tta.cells_of(args)}
     assert f"trainer.target_top1={hard.target}" in cells["drop", "allreduce"]
     assert f"trainer.epochs={hard.epochs}" in cells["drop", "allreduce"]
     assert f"straggler.start_epoch={hard.slow}" in cells["uneven", "allreduce"]
     assert f"straggler.start_epoch={hard.change}" in cells["slowed", "relaxed_streaming"]
-    assert "sync.rampup_begin_step=11" in cells["drop", "dgc"]  # (DGC's dense first epoch: 1438 // 4 // 32 steps)
+    assert "sync.rampup_begin_step=22" in cells["drop", "dgc"]  # (DGC's dense first epoch: 1438 // 4 // 16 steps)
     assert tta.scenario_of("drop", hard)["then"]["epoch"] == hard.change
     assert f"epoch {hard.change}" in tta.label("drop", "tta_hard") and "epoch 3" in tta.label("drop", "tta")
     assert tta.job_of([{"scenario": "fleet"}]) == "tta"  # (records from before the second job)
