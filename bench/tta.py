@@ -85,7 +85,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 class Job:
     """What every cell trains (``experiment``), its target and cap (the experiment's own ``trainer.target_top1`` and
     ``trainer.epochs``), the epochs at which its scenarios change (``slow``: the uneven cluster's node slows;
-    ``change``: the links drop or a node slows, about mid-run), and the steps ratios sync=auto reads on it."""
+    ``change``: the links drop or a node slows, a third to a half of the way), and the steps ratios sync=auto reads on
+    it."""
 
     experiment: str
     target: float
