@@ -139,6 +139,14 @@ DEFAULT_ALGORITHMS = (
     "none,allreduce,powersgd,dgc,localsgd4,localsgd16,adaptive_localsgd,diloco,streaming,sgp_overlap,crossover_overlap,"
     "auto"
 )
+# DiLoCo and streaming DiLoCo with plain averaging for their outer step (outer lr 1, no momentum): on the second
+# job the papers' outer Nesterov step (lr 0.7, momentum 0.9) never reaches the target (docs/benchmarks/tta.md).
+PLAIN_OUTER = ["sync.outer_lr=1.0", "sync.outer_momentum=0.0"]
+OPTIONS: dict[str, tuple[str, list[str]]] = {
+    **ALGORITHMS,
+    "diloco_avg": ("DiLoCo H=16, averaging", [*ALGORITHMS["diloco"][1], *PLAIN_OUTER]),
+    "streaming_avg": ("streaming DiLoCo, averaging", [*ALGORITHMS["streaming"][1], *PLAIN_OUTER]),
+}
 SCOPES = ("node", "process")  # (--procs > 1: each cell at both)
 FLEET_SPARSITY = "[0.75,0.9375,0.984375,0.996,0.999]"
 WARMED_UP = {"dgc": "sync", "relaxed_dgc": "sync.inner"}  # the cells that run DGC, and where its section is
@@ -231,7 +239,7 @@ def cells_of(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
     for scenario in args.scenarios:
         keys = list(args.algorithms) + (list(args.relaxed) if scenario in UNEVEN else [])
         for key in keys:
-            name, overrides = (ALGORITHMS | RELAXED)[key]
+            name, overrides = (OPTIONS | RELAXED)[key]
             if key in WARMED_UP:  # (bench/network's DGC compresses from step 0)
                 name, overrides = f"{name} (warm-up)", [*overrides, *fleet_warmup(args.nodes, WARMED_UP[key], job)]
             run = [f"trainer.epochs={args.epochs}", f"trainer.target_top1={args.target}"]
@@ -525,7 +533,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=",".join(DEFAULT_SCENARIOS),
         help=f"comma-separated: {', '.join(SCENARIOS)} (default: the table's three; drop and slowed change mid-run)",
     )
-    parser.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help=f"comma-separated: {', '.join(ALGORITHMS)}")
+    parser.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help=f"comma-separated: {', '.join(OPTIONS)}")
     parser.add_argument("--relaxed", default=",".join(RELAXED), help="the uneven scenarios' relaxed-sync cells")
     parser.add_argument(
         "--steps-data", help="sync=auto's steps ratios: a bench/tta result file (default: a copy of sync=auto's own)"
@@ -570,7 +578,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "(not there yet: run its candidates first, or give --steps-data)")  # fmt: skip
     for flag, value, allowed in (
         ("--scenarios", args.scenarios, SCENARIOS),
-        ("--algorithms", args.algorithms, ALGORITHMS),
+        ("--algorithms", args.algorithms, OPTIONS),
         ("--relaxed", args.relaxed, RELAXED),
         ("--sweep", args.sweep, SWEEP),
     ):

@@ -188,6 +188,11 @@ def test_the_second_job_runs_its_experiment_with_its_target_cap_and_change_epoch
     assert f"straggler.start_epoch={hard.slow}" in cells["uneven", "allreduce"]
     assert f"straggler.start_epoch={hard.change}" in cells["slowed", "relaxed_streaming"]
     assert "sync.rampup_begin_step=22" in cells["drop", "dgc"]  # (DGC's dense first epoch: 1438 // 4 // 16 steps)
+    plain = tta.cells_of(tta.parse_args(["--job", "tta_hard", "--scenarios", "1gbit", "--algorithms", "streaming_avg",
+                                         "--sweep", ""]))  # fmt: skip
+    assert {"sync.inner_steps=32", "sync.quantize=int8", "sync.outer_lr=1.0", "sync.outer_momentum=0.0"} <= set(
+        plain[0][3]
+    )
     assert tta.scenario_of("drop", hard)["then"]["epoch"] == hard.change
     assert f"epoch {hard.change}" in tta.label("drop", "tta_hard") and "epoch 3" in tta.label("drop", "tta")
     assert tta.job_of([{"scenario": "fleet"}]) == "tta"  # (records from before the second job)
