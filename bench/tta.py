@@ -85,8 +85,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 class Job:
     """What every cell trains (``experiment``), its target and cap (the experiment's own ``trainer.target_top1`` and
     ``trainer.epochs``), the epochs at which its scenarios change (``slow``: the uneven cluster's node slows;
-    ``change``: the links drop or a node slows, a third to a half of the way), and the steps ratios sync=auto reads on
-    it."""
+    ``change``: the links drop or a node slows, a third to a half of the way), the steps ratios sync=auto reads on
+    it, the options its auto cell adds to sync=auto's candidates, and its uneven scenarios' relaxed-sync cells."""
 
     experiment: str
     target: float
@@ -97,6 +97,10 @@ class Job:
     eval_every: int = 2  # (steps between evaluations: the crossing is placed within them)
     train_images: int = 1438  # (digits' training split)
     node_batch: int = 32  # (one process per node)
+    # sync=auto's cell on this job adds these options (bench keys) to its default candidates, each set as the bench
+    # runs it (:func:`as_candidate`): where they reach the target and the defaults do not, or first
+    candidates: tuple[str, ...] = ()
+    relaxed: tuple[str, ...] = ("relaxed_allreduce", "relaxed_link_allreduce", "relaxed_dgc", "relaxed_streaming")
 
 
 JOBS = {
@@ -112,6 +116,9 @@ JOBS = {
         node_batch=16,
         eval_every=4,
         ratios="bench/results/tta_hard_ratios.jsonl",
+        # gossip, first at 1 Gbit on this job, and DiLoCo as it reaches the target here (plain averaging outside)
+        candidates=("sgp_overlap", "diloco_avg", "relaxed_sgp_overlap", "relaxed_diloco_avg"),
+        relaxed=("relaxed_allreduce", "relaxed_link_allreduce", "relaxed_sgp_overlap", "relaxed_diloco_avg"),
     ),
 }
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,6 +176,28 @@ RELAXED: dict[str, tuple[str, list[str]]] = {
             "sync.inner.quantize=int8",
         ],
     ),  # fmt: skip
+    # (the second job's: DiLoCo H=16 with plain averaging for its outer step, the DiLoCo that reaches its target)
+    "relaxed_diloco_avg": (
+        "relaxed (compute) + DiLoCo H=16, averaging",
+        [
+            "sync=relaxed",
+            "sync@sync.inner=diloco",
+            "sync.measure=compute",
+            "sync.inner.inner_steps=16",
+            "sync.inner.outer_lr=1.0",
+            "sync.inner.outer_momentum=0.0",
+        ],
+    ),
+    "relaxed_sgp_overlap": (
+        "relaxed (compute) + SGP overlap",
+        [
+            "sync=relaxed",
+            "sync@sync.inner=sgp",
+            "sync.measure=compute",
+            "sync.inner.overlap=true",
+            "sync.inner.consensus_every=1000000",
+        ],
+    ),
 }
 # Fleet's local SGD table in our terms, at the 100 Mbit tier: the averaging period against throughput and top-1,
 # for a fixed number of epochs (no target), with DiLoCo's H beside it. k=1 averages after every step.
@@ -232,6 +261,38 @@ def fleet_warmup(nodes: int, section: str, job: Job = JOBS["tta"]) -> list[str]:
     ]
 
 
+def as_candidate(key: str, overrides: list[str]) -> list[str]:
+    """The overrides that add the option bench/tta runs as ``key`` (its ``overrides``, of ``sync``) to sync=auto's
+    candidates under that key, set as the bench runs it, so that the steps ratio the data holds for ``key`` is for
+    those settings: ``sync=X`` adds the group there, ``sync@sync.inner=X`` sets its inner option, ``sync.a=v`` its
+    setting."""
+    out = []
+    for override in overrides:
+        name, _, value = override.partition("=")
+        if name == "sync":
+            out.append(f"+sync@sync.candidates.{key}={value}")
+        elif name.startswith("sync@sync."):
+            out.append(f"sync@sync.candidates.{key}.{name.removeprefix('sync@sync.')}={value}")
+        elif name.startswith("sync."):
+            out.append(f"sync.candidates.{key}.{name.removeprefix('sync.')}={value}")
+        else:
+            raise ValueError(f"{key}: {override} is not a setting of sync")
+    return out
+
+
+def job_candidates(job: Job, nodes: int) -> list[str]:
+    """The overrides that add ``job.candidates`` to sync=auto's, each set as this bench runs it on ``job``."""
+    out = []
+    for key in job.candidates:
+        settings = (OPTIONS | RELAXED)[key][1]
+        if key in WARMED_UP:
+            settings = [*settings, *fleet_warmup(nodes, WARMED_UP[key], job)]
+        if key in RELAXED:  # (as sync=auto's own relaxed candidates: it checks every 10 steps)
+            settings = [*settings, f"sync.relaxed_sync_threshold={RELAXED_THRESHOLD}", "sync.check_every=10"]
+        out += as_candidate(key, settings)
+    return out
+
+
 def cells_of(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
     """(scenario, algorithm key, column name, overrides) for every run, in the order they run; the period sweep
     (scenario ``sweep``) last, on the 100 Mbit tier, for ``--sweep-epochs`` without a target."""
@@ -246,7 +307,7 @@ def cells_of(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
             if key in RELAXED:  # (the node is 3x slower: the default threshold, 3x the median, is a coin toss)
                 run.append(f"sync.relaxed_sync_threshold={RELAXED_THRESHOLD}")
             if key == AUTO:
-                run.append(f"sync.steps_data={args.steps_data}")
+                run += [f"sync.steps_data={args.steps_data}", *job_candidates(job, args.nodes)]
             out.append((scenario, key, name, [*overrides, *scenario_of(scenario, job).get("overrides", []), *run]))
     fixed = [f"trainer.epochs={args.sweep_epochs}", "trainer.target_top1=null"]
     out += [("sweep", key, SWEEP[key][0], [*SWEEP[key][1], *fixed]) for key in args.sweep]
@@ -534,7 +595,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated: {', '.join(SCENARIOS)} (default: the table's three; drop and slowed change mid-run)",
     )
     parser.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help=f"comma-separated: {', '.join(OPTIONS)}")
-    parser.add_argument("--relaxed", default=",".join(RELAXED), help="the uneven scenarios' relaxed-sync cells")
+    parser.add_argument(
+        "--relaxed", help=f"the uneven scenarios' relaxed-sync cells: {', '.join(RELAXED)} (default: the job's)"
+    )
     parser.add_argument(
         "--steps-data", help="sync=auto's steps ratios: a bench/tta result file (default: a copy of sync=auto's own)"
     )
@@ -568,6 +631,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.target = job.target if args.target is None else args.target
     args.epochs = job.epochs if args.epochs is None else args.epochs
     args.eval_every = job.eval_every if args.eval_every is None else args.eval_every
+    args.relaxed = ",".join(job.relaxed) if args.relaxed is None else args.relaxed
     if args.procs < 1 or job.node_batch % args.procs:
         parser.error(f"--procs={args.procs}: a divisor of the node's batch, {job.node_batch}")
     if args.repeats < 1:

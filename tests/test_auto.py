@@ -244,6 +244,38 @@ def test_every_switch_keeps_each_step_once_and_the_replicas_in_agreement(tmp_pat
     assert chosen and chosen[0]["why"] == "probe" and chosen[0]["at_steps"] == probe
 
 
+def test_switches_into_and_out_of_gossip_and_diloco_with_plain_averaging(tmp_path):
+    """The second bench job's own candidates (gossip with overlap, DiLoCo with plain averaging, relaxed sync over
+    gossip), added as bench/tta adds them, switched through every ordered pair with allreduce: gossip's rounds in
+    flight are drained and the replicas agree after each switch; relaxed sync goes around gossip and comes off it
+    with gossip's state kept; every step is recorded once."""
+    from _workers import auto_switch_walk
+
+    from bench.tta import OPTIONS, RELAXED, as_candidate
+
+    extra = ["sgp_overlap", "diloco_avg", "relaxed_sgp_overlap"]
+    walk = euler_circuit(["allreduce", *extra])
+    (tmp_path / "walk.json").write_text(json.dumps(walk))
+    probe, every = 3, 2
+    steps = probe + every * len(walk)
+    added = [o for key in extra for o in as_candidate(key, (OPTIONS | RELAXED)[key][1])]
+    _, metrics = train(
+        tmp_path, *FAST, "sync=auto", f"sync.probe_steps={probe}", f"trainer.max_steps={steps}",
+        "sync.check_every=100000", *added, "sync.candidates.relaxed_sgp_overlap.relaxed_sync_threshold=1000",
+        entrypoint=auto_switch_walk,
+    )  # fmt: skip
+    log = json.loads((tmp_path / "switches.json").read_text())
+    assert [e["to"] for e in log] == walk[1:]
+    assert all(e["identical"] for e in log), [e for e in log if not e["identical"]]
+    wraps = {("sgp_overlap", "relaxed_sgp_overlap"), ("relaxed_sgp_overlap", "sgp_overlap")}
+    assert [e for e in log if e["kept"] != ((e["from"], e["to"]) in wraps)] == []
+    assert sum(e["kept"] for e in log) == 2
+    gossip = [e for e in log if e["from"] in ("sgp_overlap", "relaxed_sgp_overlap")]  # (replicas that gossiped apart)
+    assert len(gossip) == 6 and not any(e["stayed"] for e in gossip)
+    trained = [r["step"] for r in records(metrics, "train")]
+    assert sorted(trained) == list(range(steps)) and len(set(trained)) == len(trained)
+
+
 def test_an_option_that_averages_models_takes_the_probes_steps_as_its_first_period(tmp_path):
     """Chosen after the probe, local SGD (k=4) and DiLoCo (H=4) start from the parameters the replicas agreed on
     before it, without averaging them first: the run is the option's own from step 0, the same arithmetic in the

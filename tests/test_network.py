@@ -194,12 +194,48 @@ def test_the_second_job_runs_its_experiment_with_its_target_cap_and_change_epoch
         plain[0][3]
     )
     assert tta.scenario_of("drop", hard)["then"]["epoch"] == hard.change
+    # each job's uneven scenarios run its own relaxed cells (the second's: over the options that reach its target)
+    for name, job in tta.JOBS.items():
+        assert tta.parse_args(["--job", name]).relaxed == list(job.relaxed)
+        assert set(job.relaxed) <= set(tta.RELAXED) and set(job.candidates) <= set(tta.OPTIONS | tta.RELAXED)
     assert f"epoch {hard.change}" in tta.label("drop", "tta_hard") and "epoch 3" in tta.label("drop", "tta")
     assert tta.job_of([{"scenario": "fleet"}]) == "tta"  # (records from before the second job)
     # sync=auto on a job is priced from that job's steps ratios: none recorded, the bench refuses before any cell.
     monkeypatch.setitem(tta.JOBS, "tta_hard", replace(hard, ratios="bench/results/no-such-ratios.jsonl"))
     with pytest.raises(SystemExit):
         tta.parse_args(["--job", "tta_hard", "--algorithms", "allreduce,auto"])
+
+
+def test_sync_auto_on_a_job_adds_its_candidates_set_as_the_bench_runs_them(monkeypatch):
+    """A job's extra candidates (``Job.candidates``) join sync=auto's defaults with the settings the bench runs
+    them by (the steps ratios in the data are for those): each candidate's section is the option's own ``sync``
+    section, DGC's warm-up and relaxed sync's inner option included; relaxed sync checks as auto's own do."""
+    from dataclasses import replace
+
+    from conftest import compose_cfg, plain_cfg
+    from omegaconf import OmegaConf
+
+    from bench import tta
+
+    extra = ("sgp_overlap", "diloco_avg", "dgc", "relaxed_diloco_avg")
+    monkeypatch.setitem(tta.JOBS, "tta_hard", replace(tta.JOBS["tta_hard"], candidates=extra))
+    args = tta.parse_args(["--job", "tta_hard", "--scenarios", "1gbit", "--algorithms", "dgc,diloco_avg,auto",
+                           "--steps-data", str(tta.ROOT / tta.JOBS["tta"].ratios), "--sweep", ""])  # fmt: skip
+    cells = {k: overrides for _, k, _, overrides in tta.cells_of(args)}
+    auto = compose_cfg("experiment=tta_hard", *cells["auto"]).sync.candidates
+    assert {"allreduce", "localsgd16", "relaxed_streaming", *extra} <= set(auto)
+    for key in extra:
+        name, overrides = (tta.OPTIONS | tta.RELAXED)[key]
+        alone = OmegaConf.to_container(compose_cfg("experiment=tta_hard", *cells.get(key, overrides)).sync)
+        alone.pop("scope")  # (the run's, not an option's)
+        if key in tta.RELAXED:
+            alone |= {"relaxed_sync_threshold": tta.RELAXED_THRESHOLD, "check_every": 10}
+        assert OmegaConf.to_container(auto[key]) == alone, key
+    assert auto["dgc"]["rampup_begin_step"] == 22 and auto["diloco_avg"]["outer_momentum"] == 0.0
+    assert auto["relaxed_diloco_avg"]["inner"]["outer_lr"] == 1.0
+    plain_cfg("experiment=tta_hard", *cells["auto"])  # (and sync=auto's validation takes them)
+    with pytest.raises(ValueError, match="trainer.seed=1"):
+        tta.as_candidate("x", ["sync=sgp", "trainer.seed=1"])
 
 
 def test_with_processes_per_node_each_cell_runs_at_both_scopes_with_the_nodes_batch_split():
