@@ -159,6 +159,12 @@ def test_sync_auto_reads_the_second_jobs_recorded_steps_ratios():
     assert isinstance(auto, AutoSync) and auto.ratios == hard
     gbit = _cluster([0.073] * 4, 117e6)  # (the job's pace: its sync=none cell's step; 1 Gbit through tbf)
     assert decide(_candidates(), hard, gbit).key != decide(_candidates(), first, gbit).key
+    # with the job's own candidates added as bench/tta's auto cell adds them: gossip, which needs fewer steps than
+    # allreduce there and overlaps its exchange, is priced first on its 1 Gbit cluster
+    from bench.tta import job_candidates
+
+    own = prepare(compose_cfg("experiment=tta_hard", "sync=auto", *job_candidates(JOBS["tta_hard"], 4)))
+    assert decide(own["sync"]["candidates"], hard, gbit).key == "sgp_overlap" != decide(_candidates(), hard, gbit).key
 
 
 def test_relaxed_candidates_only_where_they_would_evict():
