@@ -215,27 +215,39 @@ def euler_circuit(nodes: list[str]) -> list[str]:
     return walk[::-1]
 
 
-def test_every_switch_keeps_each_step_once_and_the_replicas_in_agreement(tmp_path):
-    """A real run of 2 processes whose sync=auto is made to switch through every ordered pair of its candidates,
-    two steps apart: after each switch the replicas hold identical parameters, every step is recorded once, and the
-    run ends with replicas that agree after the last evaluation's averaging."""
+def switch_walk(tmp_path, walk: list[str], *overrides: str) -> tuple[list[dict], list[dict]]:
+    """A real run of 2 processes whose sync=auto, once its probe (3 steps) has decided, switches to ``walk``'s first
+    candidate and then every 2 steps to the next (``_workers.auto_switch_walk``): its switches' log and its records,
+    after asserting that it made the walk's switches, that the replicas held identical parameters after each, and
+    that every step is recorded once."""
     from _workers import auto_switch_walk
 
-    walk = euler_circuit(SWITCHED)
-    assert len(walk) == len(SWITCHED) * (len(SWITCHED) - 1) + 1
     (tmp_path / "walk.json").write_text(json.dumps(walk))
     probe, every = 3, 2
     steps = probe + every * len(walk)
     _, metrics = train(
         tmp_path, *FAST, "sync=auto", f"sync.probe_steps={probe}", f"trainer.max_steps={steps}",
         "sync.check_every=100000",  # (no drift decision between the switches the walk makes)
-        "sync.candidates.relaxed_allreduce.relaxed_sync_threshold=1000",
-        "sync.candidates.relaxed_streaming.relaxed_sync_threshold=1000",
-        entrypoint=auto_switch_walk,
+        *overrides, entrypoint=auto_switch_walk,
     )  # fmt: skip
     log = json.loads((tmp_path / "switches.json").read_text())
     assert [e["to"] for e in log] == walk[1:]
     assert all(e["identical"] for e in log), [e for e in log if not e["identical"]]
+    trained = [r["step"] for r in records(metrics, "train")]
+    assert sorted(trained) == list(range(steps)) and len(set(trained)) == len(trained)
+    return log, metrics
+
+
+def test_every_switch_keeps_each_step_once_and_the_replicas_in_agreement(tmp_path):
+    """A real run of 2 processes whose sync=auto is made to switch through every ordered pair of its candidates,
+    two steps apart: after each switch the replicas hold identical parameters, every step is recorded once, and the
+    run ends with replicas that agree after the last evaluation's averaging."""
+    walk = euler_circuit(SWITCHED)
+    assert len(walk) == len(SWITCHED) * (len(SWITCHED) - 1) + 1
+    log, metrics = switch_walk(
+        tmp_path, walk, "sync.candidates.relaxed_allreduce.relaxed_sync_threshold=1000",
+        "sync.candidates.relaxed_streaming.relaxed_sync_threshold=1000",
+    )  # fmt: skip
     # An option that keeps the replicas identical at every step (by exchanging gradients) still does 2 steps after
     # a switch into it from local steps: the settle averaged the optimizer's momenta too.
     # Relaxed sync goes around the option running, or comes off it, and that option goes on with its own state.
@@ -244,10 +256,8 @@ def test_every_switch_keeps_each_step_once_and_the_replicas_in_agreement(tmp_pat
     assert sum(e["kept"] for e in log) == 4
     every_step = [e for e in log if e["from"] in ("allreduce", "relaxed_allreduce")]
     assert len(every_step) == 12 and all(e["stayed"] for e in every_step), [e for e in every_step if not e["stayed"]]
-    trained = [r["step"] for r in records(metrics, "train")]
-    assert sorted(trained) == list(range(steps)) and len(set(trained)) == len(trained)
     chosen = [r for r in records(metrics, "event") if r.get("event") == "sync_chosen"]
-    assert chosen and chosen[0]["why"] == "probe" and chosen[0]["at_steps"] == probe
+    assert chosen and chosen[0]["why"] == "probe" and chosen[0]["at_steps"] == 3
 
 
 def test_switches_into_and_out_of_gossip_and_diloco_with_plain_averaging(tmp_path):
@@ -255,31 +265,19 @@ def test_switches_into_and_out_of_gossip_and_diloco_with_plain_averaging(tmp_pat
     gossip), added as bench/tta adds them, switched through every ordered pair with allreduce: gossip's rounds in
     flight are drained and the replicas agree after each switch; relaxed sync goes around gossip and comes off it
     with gossip's state kept; every step is recorded once."""
-    from _workers import auto_switch_walk
-
     from bench.tta import OPTIONS, RELAXED, as_candidate
 
     extra = ["sgp_overlap", "diloco_avg", "relaxed_sgp_overlap"]
-    walk = euler_circuit(["allreduce", *extra])
-    (tmp_path / "walk.json").write_text(json.dumps(walk))
-    probe, every = 3, 2
-    steps = probe + every * len(walk)
     added = [o for key in extra for o in as_candidate(key, (OPTIONS | RELAXED)[key][1])]
-    _, metrics = train(
-        tmp_path, *FAST, "sync=auto", f"sync.probe_steps={probe}", f"trainer.max_steps={steps}",
-        "sync.check_every=100000", *added, "sync.candidates.relaxed_sgp_overlap.relaxed_sync_threshold=1000",
-        entrypoint=auto_switch_walk,
+    log, _ = switch_walk(
+        tmp_path, euler_circuit(["allreduce", *extra]), *added,
+        "sync.candidates.relaxed_sgp_overlap.relaxed_sync_threshold=1000",
     )  # fmt: skip
-    log = json.loads((tmp_path / "switches.json").read_text())
-    assert [e["to"] for e in log] == walk[1:]
-    assert all(e["identical"] for e in log), [e for e in log if not e["identical"]]
     wraps = {("sgp_overlap", "relaxed_sgp_overlap"), ("relaxed_sgp_overlap", "sgp_overlap")}
     assert [e for e in log if e["kept"] != ((e["from"], e["to"]) in wraps)] == []
     assert sum(e["kept"] for e in log) == 2
     gossip = [e for e in log if e["from"] in ("sgp_overlap", "relaxed_sgp_overlap")]  # (replicas that gossiped apart)
     assert len(gossip) == 6 and not any(e["stayed"] for e in gossip)
-    trained = [r["step"] for r in records(metrics, "train")]
-    assert sorted(trained) == list(range(steps)) and len(set(trained)) == len(trained)
 
 
 def test_an_option_that_averages_models_takes_the_probes_steps_as_its_first_period(tmp_path):
