@@ -143,8 +143,9 @@ def test_bench_auto_model_ranks_the_candidates_at_each_link_rate():
 def test_sync_auto_reads_the_second_jobs_recorded_steps_ratios():
     """bench/tta's second job (``--job tta_hard``) records its own steps ratios; pointed there by ``sync.steps_data``
     sync=auto prices its candidates by them: on that job local SGD k=16 costs half again allreduce's steps (none on
-    the first), DiLoCo and streaming DiLoCo never reached the target (no candidate there), and on that job's 1 Gbit
-    cluster the choice differs from the first job's (local SGD k=4 there, k=16 by the first job's ratios)."""
+    the first), DiLoCo and streaming DiLoCo never reached the target (no candidate there), on that job's 1 Gbit
+    cluster the choice differs from the first job's (local SGD k=4 there, k=16 by the first job's ratios), and on
+    its uneven cluster relaxed sync over DiLoCo with averaging, the uneven row's first, is priced first."""
     from bench.tta import JOBS
     from engine.config import prepare
 
@@ -165,6 +166,14 @@ def test_sync_auto_reads_the_second_jobs_recorded_steps_ratios():
 
     own = prepare(compose_cfg("experiment=tta_hard", "sync=auto", *job_candidates(JOBS["tta_hard"], 4)))
     assert decide(own["sync"]["candidates"], hard, gbit).key == "sgp_overlap" != decide(_candidates(), hard, gbit).key
+    # The uneven row's relaxed cells are in the data, what their evictions cost in steps (relaxed sync over DiLoCo
+    # with averaging: half again allreduce's); on the uneven cluster (a node 3x slower, one behind 100 Mbit) it is
+    # priced first, as it ran first there (48.5 s, 2.7x faster than allreduce), ahead of gossip alone
+    assert hard["relaxed_diloco_avg"] > 1.3 and hard["relaxed_allreduce"] < hard["relaxed_link_allreduce"]
+    uneven = _cluster([0.073, 0.219, 0.073, 0.073], [117e6] * 3 + [11.7e6])
+    choice = decide(own["sync"]["candidates"], hard, uneven)
+    assert choice.key == "relaxed_diloco_avg"
+    assert choice.predicted("relaxed_diloco_avg").score < choice.predicted("sgp_overlap").score
 
 
 def test_relaxed_candidates_only_where_they_would_evict():
