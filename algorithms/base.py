@@ -24,11 +24,11 @@ replicas differ (gossip): evaluation then also reports the replicas' own accurac
 **One way.** A hook receives what it needs as arguments (``after_optimizer_step`` gets the finished step: its
 loss, learning rate, timings) and returns a :class:`SyncReport` with what it measured (``metrics``), what
 happened (``events``) and what it wants the trainer to do (``requests``: :class:`RebuildTrainLoader`,
-:class:`ScaleLR`). The trainer applies the requests after the hook returns. An algorithm never calls into
-the trainer; :class:`SyncContext` holds only runtime objects: ``comm``, ``membership``, ``device``,
-``replicas_agree`` (the replicas are known to be identical at ``setup()``: a wrapper need not broadcast them) and
-``guests`` (see Joins). ``apply`` follows a membership change, records the events and carries out the requests,
-in that order.
+:class:`ScaleLR`; from ``before_step``, :class:`SkipCompute`). The trainer applies the requests after the hook
+returns. An algorithm never calls into the trainer; :class:`SyncContext` holds only runtime objects: ``comm``,
+``membership``, ``device``, ``replicas_agree`` (the replicas are known to be identical at ``setup()``: a wrapper
+need not broadcast them) and ``guests`` (see Joins). ``apply`` follows a membership change, records the events
+and carries out the requests, in that order.
 
 **Membership.** ``ctx.membership`` (:class:`distributed.membership.Membership`) owns the active ranks, their
 process group, store-based agreement and regrouping. A policy that wants ranks gone (relaxed sync: too slow)
@@ -141,6 +141,7 @@ class StepResult:
     stepped: bool  # False on an overflow step (skipped on every rank)
     data_s: float  # this rank's wait for its batch, seconds
     compute_s: float  # this rank's forward + backward up to its last gradient bucket, seconds
+    computed: bool = True  # False where ``before_step`` asked this rank to skip the step (:class:`SkipCompute`)
 
 
 @dataclass
@@ -185,7 +186,14 @@ class ScaleLR:
     policy: str  # why, for the record: e.g. "linear" (scale = active / initial ranks)
 
 
-Request = RebuildTrainLoader | ScaleLR
+@dataclass(frozen=True)
+class SkipCompute:
+    """From ``before_step``: this rank computes nothing this step (its batch is dropped, its optimizer does not step,
+    ``after_optimizer_step`` gets ``computed=False`` and a NaN loss); only for an algorithm whose ranks exchange
+    nothing in the step's own hooks that the others would wait for (a learner behind catching up, sync=decoupled)."""
+
+
+Request = RebuildTrainLoader | ScaleLR | SkipCompute
 
 
 @dataclass

@@ -8,6 +8,7 @@ survived, joiners admitted), a stop on SIGTERM. :meth:`Trainer.apply` carries ou
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import sys
 import time
@@ -18,7 +19,7 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from algorithms.base import StepResult, SyncContext, SyncReport
+from algorithms.base import SkipCompute, StepResult, SyncContext, SyncReport
 from data.common import Loaders, build_data
 from distributed.clock import build_clock
 from distributed.comm import Communicator
@@ -247,7 +248,8 @@ class Trainer:
         exchange = lambda: self.sync.after_optimizer_step(result)  # noqa: E731
         report += self.elastic.run(Phase.EXCHANGE, exchange, epoch, carry={Phase.STEP: (report, result, slept)})
         counts, step_s, world = self.comm.take(), time.perf_counter() - tick, self.membership.size
-        self.straggler.observe(result.compute_s - slept)
+        if result.computed:
+            self.straggler.observe(result.compute_s - slept)
         loss_scale = self.amp.loss_scale
         record = self.recorder.train_record(result, counts, report.metrics, world, self.batch_size, step_s, loss_scale)
         self.apply(report, epoch)
@@ -268,7 +270,12 @@ class Trainer:
 
     def _compute(self, x: torch.Tensor, y: torch.Tensor, epoch: int, data_s: float):
         """The step up to and including the optimizer step: (report, StepResult, seconds slept by the straggler)."""
-        self.apply(self.sync.before_step(self.step), epoch)  # before the forward: the group may have changed
+        before = self.sync.before_step(self.step)
+        self.apply(before, epoch)  # before the forward: the group may have changed
+        if any(isinstance(r, SkipCompute) for r in before.requests):  # (a learner catching up: its batch dropped)
+            self.complete()
+            lr = self.optimizer.param_groups[0]["lr"]
+            return SyncReport(), StepResult(self.step, epoch, math.nan, lr, False, data_s, 0.0, computed=False), 0.0
         start = self.clock.mark()
         slept = self.straggler.delay(epoch, self.rank, self.world_size, self.clock)
         self.amp.zero_grad(self.optimizer)

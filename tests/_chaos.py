@@ -84,6 +84,9 @@ OPTIONS = {
     "diloco-streaming": Option(
         ["sync=diloco", "sync.inner_steps=4", "sync.fragments=2", "sync.delay=1", "sync.quantize=int8"], True, True
     ),
+    "decoupled": Option(
+        ["sync=decoupled", "sync.inner_steps=4", "sync.fragments=2", "sync.delay=1", "sync.quantize=int8"], True, True
+    ),
     "sgp": Option(["sync=sgp"], False),
     "sgp-overlap": Option(["sync=sgp", "sync.overlap=true", "sync.synch_freq=2"], False, True),
     "crossover": Option(["sync=crossover"], False),

@@ -121,6 +121,15 @@ class Injector:
             os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def _rounds(host) -> int:
+    """Rounds a syncer thread runs for the algorithm (sync=decoupled, or one wrapped), posted and not yet applied:
+    exchanges in flight that no ``Pending`` stands for."""
+    sync = getattr(host, "sync", None)
+    while sync is not None and not hasattr(sync, "rounds_in_flight"):
+        sync = getattr(sync, "inner", None)
+    return sync.rounds_in_flight if sync is not None else 0
+
+
 def install(plan: dict) -> Injector:
     """Wrap the parts of the engine the plan's phase needs, to know where this worker is and to fire there."""
     import torch.distributed as dist
@@ -160,7 +169,7 @@ def install(plan: dict) -> Injector:
                     chaos.arm(label)  # (an evaluation on the side, a step checkpoint: the epoch's are its boundary)
                 elif phase == "epoch boundary":
                     chaos.arm(label, tries=1)  # (its parts are short: at the start of the next one)
-            elif chaos.due() and phase == "in flight" and label == "step" and chaos.in_flight:
+            elif chaos.due() and phase == "in flight" and label == "step" and (chaos.in_flight or _rounds(self.host)):
                 chaos.arm(label)
             return run(self, part_phase, part, epoch, site, carry)
         finally:

@@ -23,6 +23,8 @@ STATEFUL = {
     "sgp": ["consensus_every=1"],
     "crossover": ["consensus_every=1"],
     "diloco": ["inner_steps=2"],
+    # A round every 2 steps, applied a step later, closed by everyone (no quorum nor catching up: both runs alike).
+    "decoupled": ["inner_steps=4", "fragments=2", "delay=1", "quorum=1.0", "catch_up=false"],
     "powersgd": ["start_powerSGD_iter=2"],  # compressing (with error feedback) before the checkpoint
     # No eviction (a negative threshold), so both runs keep their ranks; every check still agrees a verdict.
     "relaxed": ["relaxed_sync_threshold=-1", "check_every=1"],

@@ -401,7 +401,7 @@ def test_o2_masters_are_the_optimizers_from_setup_and_travel_in_the_state(flavor
 # ---- validation: which sync options take which opt level --------------------------------------------------------
 # The sync options that write the model's parameters themselves (an average, a gossip mix, an outer step; sync=none
 # averages the replicas at each evaluation and goes on from there): apex O2's float32 masters would overwrite it.
-WRITES_PARAMETERS = {"localsgd", "adaptive_localsgd", "diloco", "sgp", "crossover", "none", "auto"}
+WRITES_PARAMETERS = {"localsgd", "adaptive_localsgd", "diloco", "decoupled", "sgp", "crossover", "none", "auto"}
 SYNC_OPTIONS = sorted(p.stem for p in (CONF_DIR / "sync").glob("*.yaml"))
 
 

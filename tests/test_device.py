@@ -201,7 +201,12 @@ VARIANTS = {
         ["quantize=fp16", "alpha=0.5"],
     ],
 }
-ALONE = [(o, []) for o in OPTIONS if o not in WRAPPERS] + [(o, v) for o, variants in VARIANTS.items() for v in variants]
+# sync=decoupled runs its rounds on a syncer thread of each rank, with peers that post: the fake tensors' mode is the
+# test thread's own, and one process has no peers. The factory check below covers its tensors' devices; on a GPU
+# (tests/test_gpu.py) it trains alone, and its syncers run where there are two GPUs.
+THREADED = {"decoupled"}
+ALONE = [(o, []) for o in OPTIONS if o not in WRAPPERS and o not in THREADED]
+ALONE += [(o, v) for o, variants in VARIANTS.items() for v in variants]
 # Inside a wrapper: relaxed sync's default inner (DDP), and one with per-rank state and rounds in flight that the
 # wrapper's check drains (SGP overlap). The wrapper's own code is the same whatever the inner, and test_contract.py
 # checks that it forwards every hook.

@@ -36,6 +36,8 @@ OPTIONS = {
     "diloco": (1, ["sync.inner_steps=2"]),
     "streaming diloco": (1, ["sync=diloco", "sync.inner_steps=4", "sync.fragments=2", "sync.delay=1",
                              "sync.quantize=int8"]),
+    "decoupled": (1, ["sync.inner_steps=4", "sync.fragments=2", "sync.delay=1"]),
+    "decoupled, 2 ranks": (2, ["sync=decoupled", "sync.inner_steps=4", "sync.fragments=2", "sync.delay=1"]),
     "powersgd": (1, ["sync.start_powerSGD_iter=2", "sync.min_compression_rate=1"]),
     "relaxed": (1, ["sync.check_every=2"]),
     "relaxed localsgd": (1, ["sync=relaxed", "sync@sync.inner=localsgd", "sync.inner.k_steps=2"]),

@@ -1,0 +1,122 @@
+"""The rules of DiLoCo rounds that close on a quorum (Decoupled DiLoCo, arXiv 2604.21428): who a round waits for,
+how the pseudo-gradients that made it are weighted, what a learner whose contribution missed a round keeps, and when
+a learner behind the others skips a step to catch up. Pure functions and small state, the same on every rank; the
+exchange that applies them runs them identically everywhere, so the merged fragments are bit-identical.
+
+**A round** of fragment f is the exchange of the learners' pseudo-gradients Δ_i = θ_f − θ_i,f (the global fragment
+they last took minus their own). Each learner sends, with its Δ_i, a :class:`Header`: whether it contributes (its
+Δ_i was ready when the round closed), the samples its Δ_i holds (computed since its last contribution to f) and how
+many rounds of f closed without it since then (``missed``).
+
+**The merge.** A contribution weighs ``w_i = samples_i × decay ** missed_i`` (0 for a learner that does not
+contribute); the merged pseudo-gradient is ``Δ = Σ f_i Δ_i / Σ f_i`` with ``f_i = w_i / max_j w_j``, which is the
+weighted mean Σ w_i Δ_i / Σ w_i. Where every learner contributes on time with the same samples, every f_i is exactly
+1 and the merge is the plain sum over the learners divided by their count: streaming DiLoCo's average, to the bit.
+The outer optimizer then steps on Δ as streaming DiLoCo's does.
+
+**A learner that missed the round** keeps its own progress: its fragment moves by the global step,
+``θ_i,f += θ_f,new − θ_f,old``, so its pseudo-gradient in the next round of f is what it computed since it last
+contributed (counted in ``samples``, discounted by ``decay ** missed``). A learner that contributed takes the
+global fragment as streaming DiLoCo does (``alpha`` mixes its own in).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass
+
+import torch
+
+QUORUM_BY = ("learners", "samples")
+
+
+@dataclass(frozen=True)
+class Header:
+    """One learner's part in a round, sent beside its pseudo-gradient."""
+
+    contributes: bool  # its pseudo-gradient was ready when the round closed
+    samples: int  # samples its pseudo-gradient holds: computed since its last contribution to this fragment
+    missed: int  # rounds of this fragment closed without it since its last contribution
+    pace_s: float  # its seconds per computed step (data and compute), lately: what catching up compares
+    computed: int  # samples it computed in the run so far (goodput's denominator)
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor([float(v) for v in astuple(self)], dtype=torch.float64, device=device)
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Header:
+        c, s, m, p, n = (float(v) for v in values)
+        return cls(bool(c), int(s), int(m), p, int(n))
+
+
+def factors(headers: Sequence[Header], decay: float) -> list[float]:
+    """Each learner's factor in the merge, ``w_i / max_j w_j`` with ``w_i = samples_i × decay ** missed_i`` (0
+    where it does not contribute): exactly 1.0 for the heaviest, and for every learner where all weigh the same."""
+    raw = [h.samples * decay**h.missed if h.contributes else 0.0 for h in headers]
+    top = max(raw, default=0.0)
+    return [w / top for w in raw] if top > 0 else raw
+
+
+def merge(parts: Sequence[torch.Tensor], factor: Sequence[float]) -> torch.Tensor | None:
+    """The merged pseudo-gradient ``Σ f_i Δ_i / Σ f_i`` of the learners' ``parts`` (in rank order, the same on
+    every rank), or None where no one contributed. A factor of 1 adds the part as it is."""
+    total = sum(factor)
+    if total <= 0:
+        return None
+    summed = sum(p if f == 1.0 else p * f for p, f in zip(parts, factor) if f > 0)
+    return summed / total
+
+
+def carry(local: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """A learner that missed the round keeps its progress: its fragment ``local`` moves by the global step
+    ``new − old`` (in place; returned)."""
+    return local.add_(new - old)
+
+
+def quorum_of(quorum: float, learners: int) -> int:
+    """The learners a round needs before it may close: ``quorum`` (a share in (0, 1]) of ``learners``, at least one."""
+    return max(1, min(learners, math.ceil(quorum * learners - 1e-9)))
+
+
+def goodput(entered: int, computed: int) -> float:
+    """Samples that entered the model over samples computed (1 before any were)."""
+    return entered / computed if computed else 1.0
+
+
+class CatchUp:
+    """When a learner behind the others skips a step's compute (DyLU, arXiv 2401.09135, as a rule of time): its
+    ``debt`` is how much longer its steps took than the group's pace (the learners' median), never below 0 (a fast
+    learner banks no time, it waits); it skips a step where the debt reaches half the group's step, which pays one
+    group step back. A learner k times slower than the others computes about one step in k; one on time, all."""
+
+    def __init__(self) -> None:
+        self.debt = 0.0
+
+    def skip(self, group_s: float) -> bool:
+        return group_s > 0 and self.debt >= group_s / 2
+
+    def spent(self, own_s: float, group_s: float) -> None:
+        """A step slot passed: this learner spent ``own_s`` on it (about 0 where it skipped)."""
+        if group_s > 0:
+            self.debt = max(0.0, self.debt + own_s - group_s)
+
+
+class Grace:
+    """How long a learner due to apply a round waits for the learners not in it yet, once the quorum has sent: the
+    smaller of ``steps`` group steps and twice the median of the waits that brought everyone in lately (the last
+    ``keep``); ``steps`` group steps until it has seen one."""
+
+    def __init__(self, steps: float, keep: int = 16):
+        self.steps = steps
+        self.waits: deque[float] = deque(maxlen=keep)
+
+    def window(self, group_s: float) -> float:
+        cap = self.steps * group_s
+        return min(cap, 2 * statistics.median(self.waits)) if self.waits else cap
+
+    def saw(self, seconds: float) -> None:
+        """Everyone was in after a wait of ``seconds``."""
+        self.waits.append(seconds)

@@ -1,0 +1,111 @@
+"""The rules of DiLoCo rounds that close on a quorum (algorithms/quorum.py), in float64 against hand computations:
+the merge's weights, its equality with streaming DiLoCo's average where everyone is on time, what a learner that
+missed a round keeps, when a learner behind skips a step, and the grace window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from algorithms.diloco import DiLoCo
+from algorithms.quorum import CatchUp, Grace, Header, carry, factors, goodput, merge, quorum_of
+
+F64 = torch.float64
+
+
+def _header(samples: int, missed: int = 0, contributes: bool = True) -> Header:
+    return Header(contributes, samples, missed, 0.1, 1000)
+
+
+def test_a_learner_late_by_a_round_weighs_its_samples_discounted_once():
+    # Learners 0 and 1 on time with 64 samples each; learner 2 missed the last round of the fragment and brings 32
+    # samples now. decay 0.5: weights 64, 64, 32 x 0.5 = 16, so factors 1, 1, 0.25.
+    headers = [_header(64), _header(64), _header(32, missed=1)]
+    assert factors(headers, 0.5) == [1.0, 1.0, 0.25]
+    parts = [torch.tensor(v, dtype=F64) for v in ([0.5, 0.25], [0.25, -0.5], [1.0, 1.0])]
+    merged = merge(parts, factors(headers, 0.5))
+    # By hand: (64 x 0.5 + 64 x 0.25 + 16 x 1) / 144 = 64 / 144 and (16 - 32 + 16) / 144 = 0.
+    assert merged is not None and merged.dtype == F64
+    assert merged.tolist() == [pytest.approx(64 / 144, rel=1e-15, abs=0), 0.0]
+    # The outer step on it (Nesterov, lr 0.7, momentum 0.9, from momentum 0.1, 0.2), by hand:
+    theta, momentum = torch.tensor([1.0, -2.0], dtype=F64), torch.tensor([0.1, 0.2], dtype=F64)
+    DiLoCo(outer_lr=0.7, outer_momentum=0.9)._outer_step(theta, momentum, merged)
+    m0, m1 = 0.9 * 0.1 + 64 / 144, 0.9 * 0.2 + 0.0
+    expected = [1.0 - 0.7 * (64 / 144 + 0.9 * m0), -2.0 - 0.7 * (0.0 + 0.9 * m1)]
+    assert momentum.tolist() == [pytest.approx(m0, rel=1e-15), pytest.approx(m1, rel=1e-15)]
+    assert theta.tolist() == [pytest.approx(expected[0], rel=1e-15), pytest.approx(expected[1], rel=1e-15)]
+
+
+def test_a_learner_not_in_the_round_adds_nothing_and_the_rest_average():
+    headers = [_header(64), _header(0, contributes=False), _header(64)]
+    assert factors(headers, 0.5) == [1.0, 0.0, 1.0]
+    parts = [torch.tensor([2.0], dtype=F64), torch.tensor([1e9], dtype=F64), torch.tensor([4.0], dtype=F64)]
+    assert merge(parts, factors(headers, 0.5)).tolist() == [3.0]
+    assert merge(parts, factors([_header(64, contributes=False)] * 3, 0.5)) is None  # (no one: no outer step)
+
+
+@pytest.mark.parametrize("learners", [2, 3, 4])
+def test_everyone_on_time_merges_to_streaming_diloco_average_to_the_bit(learners):
+    g = torch.Generator().manual_seed(learners)
+    parts = [torch.randn(1000, generator=g, dtype=F64) for _ in range(learners)]
+    streaming = parts[0].clone()
+    for p in parts[1:]:
+        streaming += p  # (an allreduce's sum, in rank order)
+    streaming /= learners
+    merged = merge(parts, factors([_header(96)] * learners, 0.5))
+    assert torch.equal(merged, streaming)
+
+
+def test_a_learner_that_missed_the_round_keeps_its_progress():
+    old, new = torch.tensor([1.0, 2.0], dtype=F64), torch.tensor([0.5, 2.5], dtype=F64)
+    local = torch.tensor([0.75, 1.5], dtype=F64)  # progress since it took `old`: -0.25, -0.5
+    carry(local, old, new)
+    assert local.tolist() == [0.25, 2.0]  # the new global fragment plus its own progress
+    assert (new - local).tolist() == [0.25, 0.5]  # its next pseudo-gradient still holds what it computed
+
+
+def test_header_round_trip():
+    h = Header(True, 128, 2, 0.0731, 4096)
+    assert Header.of(h.tensor(torch.device("cpu")).tolist()) == h
+
+
+def test_quorum_counts_learners_at_least_one():
+    assert [quorum_of(0.5, n) for n in (1, 2, 3, 4, 5)] == [1, 1, 2, 2, 3]
+    assert quorum_of(1.0, 4) == 4 and quorum_of(0.01, 4) == 1 and quorum_of(0.75, 4) == 3
+    assert goodput(90, 100) == 0.9 and goodput(0, 0) == 1.0
+
+
+def test_a_learner_three_times_slower_computes_one_step_in_three():
+    slow, group = CatchUp(), 0.1
+    computed = 0
+    for _ in range(300):
+        if slow.skip(group):
+            slow.spent(0.0, group)
+        else:
+            slow.spent(0.3, group)
+            computed += 1
+    assert computed == 100
+
+
+def test_a_learner_on_time_never_skips_and_banks_no_time():
+    on_time = CatchUp()
+    for own in [0.09, 0.11, 0.105, 0.095] * 50:  # within half a step of the group's 0.1 s
+        assert not on_time.skip(0.1)
+        on_time.spent(own, 0.1)
+    fast = CatchUp()
+    for _ in range(50):
+        fast.spent(0.01, 0.1)
+    assert fast.debt == 0.0
+    fast.spent(0.16, 0.1)  # then one slow step: behind by 0.06 s, more than half a step: it skips the next
+    assert fast.skip(0.1)
+
+
+def test_grace_is_a_step_until_measured_then_twice_the_median_wait_under_that_cap():
+    grace = Grace(steps=1.0)
+    assert grace.window(0.08) == pytest.approx(0.08)
+    for wait in (0.01, 0.02, 0.015):
+        grace.saw(wait)
+    assert grace.window(0.08) == pytest.approx(0.03)
+    for wait in (0.2, 0.3, 0.25, 0.4):
+        grace.saw(wait)
+    assert grace.window(0.08) == pytest.approx(0.08)  # (never past the cap)
