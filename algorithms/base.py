@@ -15,11 +15,11 @@ train), ``self.optimizer`` and ``self.ctx`` (a :class:`SyncContext`) and sets ``
 
 plus ``trainer.apply(sync.on_epoch_start(epoch))`` before each epoch's loader is iterated, ``drain()`` then
 ``before_eval()`` before each evaluation and checkpoint, ``trainer.apply(sync.on_membership_change(change))``
-after each change of the active ranks, and ``drain()`` then ``finalize()`` once at the end. The forward pass
-runs through ``sync.module``, read at every step, so an algorithm may rewrap the model. Two class attributes
-describe the algorithm: ``name``, its W&B tag and config option name, and ``evaluates_replicas``, True where the
-replicas differ (gossip): evaluation then also reports the replicas' own accuracy, measured before
-``before_eval()`` brings them into agreement.
+after each change of the active ranks, and ``drain()`` then ``finalize()`` once at the end (or where ``sync=auto``
+leaves the algorithm for another). The forward pass runs through ``sync.module``, read at every step, so an
+algorithm may rewrap the model. Two class attributes describe the algorithm: ``name``, its W&B tag and config
+option name, and ``evaluates_replicas``, True where the replicas differ (gossip): evaluation then also reports the
+replicas' own accuracy, measured before ``before_eval()`` brings them into agreement.
 
 **One way.** A hook receives what it needs as arguments (``after_optimizer_step`` gets the finished step: its
 loss, learning rate, timings) and returns a :class:`SyncReport` with what it measured (``metrics``), what

@@ -194,6 +194,32 @@ def test_relaxed_candidates_only_where_they_would_evict():
     assert choice.predicted("relaxed_streaming").score == choice.predicted("streaming").score
 
 
+def test_decoupled_is_priced_at_the_median_pace_over_the_steps_it_computes():
+    """sync=decoupled catching up: the median replica's pace (a learner 3x slower computes one step in 3, so 4
+    learners compute 3 + 1/3 of 4 steps: its data's steps ratio over 10/12), streaming DiLoCo's bytes and 40 of
+    headers per learner and round; without catching up, the slowest's pace and every step."""
+    from algorithms.auto.model import samples_share, step_seconds
+
+    candidates = _candidates()
+    streaming = candidates["streaming"]
+    decoupled = {**streaming, "_target_": "algorithms.decoupled.DecoupledDiLoCo", "catch_up": True}
+    shapes, rounds = _tta_shapes(), 4 / 32  # (4 fragments, H = 32: a round every 8 steps)
+    assert traffic(decoupled, shapes).bytes_sent(4) == pytest.approx(
+        traffic(streaming, shapes).bytes_sent(4) + 3 * 40 * rounds, rel=1e-12
+    )
+    slow = _cluster([0.073, 0.219, 0.073, 0.073], 117e6)
+    assert samples_share(decoupled, slow) == pytest.approx((3 + 1 / 3) / 4)
+    assert step_seconds(decoupled, slow) == pytest.approx(0.073)  # (its exchange overlapped, well within a step)
+    assert step_seconds(streaming, slow) == pytest.approx(0.219)
+    choice = decide({"decoupled": decoupled, "streaming": streaming}, {"decoupled": 1.1, "streaming": 1.1}, slow)
+    assert choice.predicted("decoupled").steps_ratio == pytest.approx(1.1 * 12 / 10)
+    assert choice.key == "decoupled"
+    waits = {**decoupled, "catch_up": False}
+    assert samples_share(waits, slow) == 1.0 and step_seconds(waits, slow) == pytest.approx(0.219)
+    even = _cluster([0.073] * 4, 117e6)
+    assert samples_share(decoupled, even) == 1.0 and step_seconds(decoupled, even) == step_seconds(streaming, even)
+
+
 def test_bad_auto_settings_are_named():
     from engine.config import prepare
 

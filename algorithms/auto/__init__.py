@@ -305,6 +305,8 @@ class AutoSync(Wrapper):
                 kept.setup_around(self.model, self.optimizer, self._context())
             self.inner, self.key = kept, key
             return
+        if self.inner is not None:
+            self.inner.finalize()  # (the option left ends: sync=decoupled's syncer thread)
         self.inner = None  # (its hooks on the model, DDP's, go with it before the next one's)
         chosen.setup(self.model, self.optimizer, self._context())
         if probed_from is not None and not chosen.take_local_steps(probed_from[1], probed_from[0]):

@@ -14,6 +14,10 @@ each, ``N - 1`` messages and ``(N - 1) x S``; a push to one peer, one message an
 steps to the target over allreduce's in the same scenario, the median over the scenarios in which both reached it.
 An option the data never saw reach the target is no candidate.
 
+**sync=decoupled** is priced as streaming DiLoCo (its exchange, plus a header per learner and round) at the median
+replica's pace where it catches up (a learner k times slower computes one step in k), its steps ratio the data's
+over the share of steps computed (:func:`samples_share`).
+
 **Relaxed sync on top** (a candidate whose section wraps another in ``algorithms.relaxed.RelaxedSync``) is
 considered only where it would evict someone: the replicas slower than its threshold x the median (by compute, or
 by link under ``measure=link``) leave the pace and the links, and its steps ratio is the data's for that
@@ -26,6 +30,7 @@ is that after its warm-up.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -37,6 +42,7 @@ from typing import Any
 FLOAT_BYTES = 4  # what gradients and parameters travel as (fp32)
 INDEX_BYTES = 4  # DGC's int32 indices
 INT8_BYTES = 1
+HEADER_BYTES = 5 * 8  # sync=decoupled: each learner's header in a round (5 float64 values)
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,11 @@ def traffic(section: Mapping[str, Any], shapes: Sequence[Sequence[int]]) -> Traf
     if option == "LocalSGD":
         k = int(section["k_steps"])
         return Traffic(ring_bytes=dense / k, rings=1 / k)
+    if option == "DecoupledDiLoCo":  # (streaming DiLoCo's exchange, with every learner's header each round)
+        base = traffic({**section, "_target_": "algorithms.diloco.DiLoCo"}, shapes)
+        per_round = int(section.get("fragments", 1)) / int(section["inner_steps"])
+        header = HEADER_BYTES * per_round
+        return dataclasses.replace(base, gather_bytes=base.gather_bytes + header, gathers=base.gathers + per_round)
     if option == "DiLoCo":
         h, delay, fragments = (
             int(section["inner_steps"]),
@@ -186,10 +197,32 @@ def kept(section: Mapping[str, Any], measured: Measured) -> list[int]:
     return [i for i in everyone if times[i] <= threshold * reference]
 
 
+def _catches_up(section: Mapping[str, Any]) -> bool:
+    return _option(section) == "DecoupledDiLoCo" and bool(section.get("catch_up", True))
+
+
+def pace_of(section: Mapping[str, Any], measured: Measured, replicas: list[int]) -> float:
+    """Seconds per step of the replicas' compute under ``section``: the slowest's, which every option waits for,
+    but under sync=decoupled with ``catch_up`` the median's (a learner slower than that skips steps to keep it)."""
+    paces = [measured.compute_s[i] for i in replicas]
+    return statistics.median(paces) if _catches_up(section) else max(paces)
+
+
+def samples_share(section: Mapping[str, Any], measured: Measured) -> float:
+    """The share of the replicas' steps that are computed: 1, but under sync=decoupled with ``catch_up`` a learner
+    k times slower than the median computes one step in k. Its steps to the target are its data's (measured where
+    every learner computes every step) over this share."""
+    replicas = kept(section, measured)
+    if not _catches_up(section):
+        return 1.0
+    pace = pace_of(section, measured, replicas)
+    return sum(min(1.0, pace / max(measured.compute_s[i], 1e-12)) for i in replicas) / len(replicas)
+
+
 def step_seconds(section: Mapping[str, Any], measured: Measured) -> float:
     """Predicted seconds per step of the option ``section`` on the measured cluster."""
     replicas = kept(section, measured)
-    pace = max(measured.compute_s[i] for i in replicas)
+    pace = pace_of(section, measured, replicas)
     bandwidth = min(measured.bandwidth(i) for i in replicas)
     sent = traffic(section, measured.shapes)
     comm = sent.seconds(len(replicas), bandwidth, measured.latency_s)
@@ -273,6 +306,7 @@ def decide(
             # (and trains on as its option alone: that option's steps ratio, not the one its eviction cost)
             inner = next((k for k, s in candidates.items() if s == section["inner"] and k in ratios), key)
             ratio = ratios[inner]
+        ratio /= samples_share(section, measured)
         predictions.append(Prediction(key, step_seconds(section, measured), ratio, replicas))
     if not predictions:
         raise ValueError(f"no candidate of {sorted(candidates)} has a steps ratio in the data ({sorted(ratios)})")
