@@ -153,6 +153,14 @@ OPTIONS: dict[str, tuple[str, list[str]]] = {
     **ALGORITHMS,
     "diloco_avg": ("DiLoCo H=16, averaging", [*ALGORITHMS["diloco"][1], *PLAIN_OUTER]),
     "streaming_avg": ("streaming DiLoCo, averaging", [*ALGORITHMS["streaming"][1], *PLAIN_OUTER]),
+    # Rounds that close on a quorum: streaming DiLoCo's settings (the first job's), and DiLoCo H=16 with plain
+    # averaging (the second job's DiLoCo that reaches its target).
+    "decoupled": ("decoupled DiLoCo", ["sync=decoupled"]),
+    "decoupled_avg": (
+        "decoupled DiLoCo H=16, averaging",
+        ["sync=decoupled", "sync.inner_steps=16", "sync.fragments=1", "sync.delay=0", "sync.quantize=none"]
+        + PLAIN_OUTER,
+    ),
 }
 SCOPES = ("node", "process")  # (--procs > 1: each cell at both)
 FLEET_SPARSITY = "[0.75,0.9375,0.984375,0.996,0.999]"
@@ -246,6 +254,8 @@ def time_to_target(metrics: list[dict[str, Any]], target: float) -> dict[str, An
         "evictions": summary.get("evictions", 0),
         "evicted_ranks": summary.get("evicted_ranks", []),
         "syncs": summary.get("syncs", []),  # (sync=auto: what it chose, when and why)
+        # (sync=decoupled: steps that entered the model over steps computed, by the target)
+        "goodput": next((r["goodput"] for r in reversed(to) if "goodput" in r), None),
         "curve": curve,
     }
 

@@ -158,8 +158,14 @@ def test_time_to_target_leaves_evaluations_out_of_the_clock_and_counts_bytes_up_
     assert out["best_top1"] == 90.0 and out["trained_s"] == pytest.approx(6.0) and out["evictions"] == 1
     assert out["samples_per_s"] == pytest.approx(32 * 63 / 6)  # all samples over all seconds (not a median: 192)
     assert [c["s"] for c in out["curve"]] == pytest.approx([2.0, 4.0, 6.0])
+    assert out["goodput"] is None  # (an option that does not report it)
     never = time_to_target(metrics, target=95.0)
     assert not never["reached"] and never["seconds"] is None and never["mb_per_node"] == pytest.approx(600.0)
+    # sync=decoupled's goodput (steps that entered the model over steps computed): its latest by the crossing
+    rounds = [
+        {**r, "goodput": {1: 0.9, 3: 0.95, 5: 0.99}[r["step"]]} if r.get("step") in (1, 3, 5) else r for r in metrics
+    ]
+    assert time_to_target(rounds, target=80.0)["goodput"] == 0.95 and time_to_target(rounds, 95.0)["goodput"] == 0.99
     # What the logging rank waited in an evaluation for the slowest (an option exchanging every k steps would wait
     # it at its next exchange) is training time: 0.25 s of each evaluation's 0.5 counted in.
     waited = [{**r, "wait_s": 0.25} if r["kind"] == "eval" else r for r in metrics]
