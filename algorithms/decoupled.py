@@ -72,6 +72,7 @@ class Round:
     generation: int  # of the group it ran on: one of a replaced group is dropped
     old: torch.Tensor | None = None  # the global fragment before its outer step, and after it
     new: torch.Tensor | None = None
+    momentum: torch.Tensor | None = None  # the fragment's outer momentum after it
     buffers: torch.Tensor | None = None  # the merged BN statistics (the last fragment's round)
     contributed: bool = False  # this rank's pseudo-gradient was in it
     norm: float = 0.0  # the merged pseudo-gradient's
@@ -255,7 +256,7 @@ class DecoupledDiLoCo(DiLoCo):
             mixed = carry(local, outcome.old.to(local.dtype), outcome.new.to(local.dtype))
             self._missed[due.fragment] += 1
         self.write_range(lo, hi, mixed)
-        self.global_params[lo:hi] = outcome.new
+        self.global_params[lo:hi], self.momentum[lo:hi] = outcome.new, outcome.momentum
         if outcome.buffers is not None:
             self._set_buffers(outcome.buffers)
         headers = outcome.headers
@@ -335,9 +336,10 @@ class Syncer(threading.Thread):
         m = owner.ctx.membership
         self.generation, self.learners, self.group = owner._generation, m.size, owner._side
         self.needed = quorum_of(owner.quorum, self.learners)
-        # The global parameters and their outer steps as the rounds complete (the learner's copy follows at each
-        # round's due step: a learner behind may apply a round after the syncer ran the next).
-        self.theta = owner.global_params.clone()
+        # The global parameters and outer momentum as the rounds complete (the learner's copies follow at each
+        # round's due step: a learner behind may apply a round after the syncer ran the next, and a round dropped at
+        # a change leaves them as they were).
+        self.theta, self.momentum = owner.global_params.clone(), owner.momentum.clone()
         self._stopping = threading.Event()
 
     def key(self, index: int, name: str) -> str:
@@ -466,8 +468,8 @@ class Syncer(threading.Thread):
             return outcome
         theta = self.theta[lo:hi]
         outcome.old, outcome.norm = theta.clone(), float(merged.norm())
-        owner._outer_step(theta, owner.momentum[lo:hi], merged)
-        outcome.new = theta.clone()
+        owner._outer_step(theta, self.momentum[lo:hi], merged)
+        outcome.new, outcome.momentum = theta.clone(), self.momentum[lo:hi].clone()
         outcome.buffers = merged_buffers
         return outcome
 

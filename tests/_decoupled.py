@@ -35,7 +35,7 @@ def _run(cfg: dict, run_dir: str) -> None:
 
     def logged_exchange(self, index, posted):
         lo, hi = self.owner.ranges[index % self.owner.fragments]
-        momentum = self.owner.momentum[lo:hi].clone()
+        momentum = self.momentum[lo:hi].clone()
         delta = posted[0].clone() if posted is not None else None  # (before the allreduce sums it in place)
         outcome = exchange(self, index, posted)
         rounds.append(
