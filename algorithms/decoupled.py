@@ -136,6 +136,7 @@ class DecoupledDiLoCo(DiLoCo):
         self._computed_all = 0
         self._catch, self._grace = CatchUp(), Grace(self.grace_steps)
         self._skipping = False
+        self._counted = -1  # the step last counted
         self._syncer: Syncer | None = None
         floating = [b for b in model.buffers() if b.is_floating_point()]
         self._buffer_numel = sum(b.numel() for b in floating)
@@ -166,15 +167,15 @@ class DecoupledDiLoCo(DiLoCo):
     def after_optimizer_step(self, result: StepResult) -> SyncReport:
         step, metrics = result.step, {"skipped": float(self._skipping)}
         self._agreed = False
-        if result.computed:
-            own = result.data_s + result.compute_s
-            self._paces.append(own)
-            if result.stepped:
+        if step != self._counted:  # (once a step: the exchange is run again after a change of the ranks)
+            self._counted = step
+            own = result.data_s + result.compute_s if result.computed else result.data_s
+            if result.computed:
+                self._paces.append(own)
+            if result.computed and result.stepped:
                 self._computed += 1
                 self._held = [h + 1 for h in self._held]
-        else:
-            own = result.data_s
-        self._catch.spent(own, self._group_s)
+            self._catch.spent(own, self._group_s)
         fragment = fragment_due(step, self.inner_steps, self.fragments)
         if fragment is not None:
             index = (step + 1) // (self.inner_steps // self.fragments) - 1

@@ -130,6 +130,8 @@ class Trainer:
         self.rank = self.checkpointer.rank = m.rank
         self.run.resume(state, len(self.data.train), m.size, self.batch_size)
         self.schedule = build_schedule(self.cfg, len(self.data.train), m.size)
+        if self.sync is not None:
+            self.sync.finalize()  # (settled at the admission: what it runs on its own ends, sync=decoupled's syncer)
         self.sync = None  # (the old algorithm's hooks on the model, DDP's, go with it before the new one's)
         self.sync = build_sync(self.cfg["sync"], m)
         self.sync.setup(self.raw_model, self.optimizer, self.context(replicas_agree=True))
