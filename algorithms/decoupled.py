@@ -137,6 +137,7 @@ class DecoupledDiLoCo(DiLoCo):
         self._catch, self._grace = CatchUp(), Grace(self.grace_steps)
         self._skipping = False
         self._counted = -1  # the step last counted
+        self._interval = self.inner_steps // self.fragments  # steps between rounds (round r after step (r+1)H/P - 1)
         self._syncer: Syncer | None = None
         floating = [b for b in model.buffers() if b.is_floating_point()]
         self._buffer_numel = sum(b.numel() for b in floating)
@@ -178,7 +179,7 @@ class DecoupledDiLoCo(DiLoCo):
             self._catch.spent(own, self._group_s)
         fragment = fragment_due(step, self.inner_steps, self.fragments)
         if fragment is not None:
-            index = (step + 1) // (self.inner_steps // self.fragments) - 1
+            index = (step + 1) // self._interval - 1
             self._post(index, fragment)
             self._rounds.append(InFlight(index, fragment, step + self.delay))
             metrics["outer_fragment"] = fragment
@@ -269,6 +270,8 @@ class DecoupledDiLoCo(DiLoCo):
         return {
             "round_contributors": float(sum(h.contributes for h in headers)),
             "pseudo_grad_norm": outcome.norm,
+            # (the learners' steps computed over the steps they ran: below 1 where a learner behind skips to catch up)
+            "computed_share": self._computed_all / max(len(headers) * (due.index + 1) * self._interval, 1),
         }
 
     def _set_buffers(self, merged: torch.Tensor) -> None:

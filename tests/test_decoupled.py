@@ -36,7 +36,7 @@ def test_everyone_on_time_is_streaming_diloco_step_for_step(tmp_path, mode):
     losses = {name: [r["loss"] for r in records(m, "train")] for name, m in metrics.items()}
     assert len(losses["diloco"]) == 8 and losses["decoupled"] == losses["diloco"]  # (every step: bit for bit)
     rounds = [r for r in records(metrics["decoupled"], "train") if "round_contributors" in r]
-    assert rounds and all(r["round_contributors"] == 2 for r in rounds)
+    assert rounds and all(r["round_contributors"] == 2 and r["computed_share"] == 1.0 for r in rounds)
     assert all(r["skipped"] == 0 for r in records(metrics["decoupled"], "train"))
     a, b = (_load(tmp_path / name / "checkpoints" / "last.pt") for name in runs)
     assert a["step"] == b["step"] == 8
