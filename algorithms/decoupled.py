@@ -20,10 +20,10 @@ t + delay. What differs is who a round waits for:
   keeps its progress (its fragment moves by the global step) and brings it to the next round of that fragment.
   Every header travels with the round, so the merge is computed alike on every rank: the global fragments stay
   bit-identical, and with everyone on time the mode is streaming DiLoCo, step for step.
-- **Catching up** (``catch_up``, DyLU as a rule of time): a learner whose steps take longer than the learners'
-  median step skips a step's compute (its batch is dropped) whenever it is half a step behind, so a learner k times
-  slower computes about one step in k and stays within a step of the others: it is never evicted and its work
-  counts, weighted by what it computed.
+- **Catching up** (``catch_up``, DyLU as a rule of time): a learner whose median step is more than 10 % longer than
+  the learners' median step skips a step's compute (its batch is dropped) whenever it is a whole step behind, so a
+  learner k times slower computes one step in k and stays within a step of the others: it is never evicted and its
+  work counts, weighted by what it computed.
 
 Goodput (``goodput`` in the records): the steps that entered the merged model over the steps computed, from every
 learner's header. BN statistics are merged as the pseudo-gradients are, with the last fragment's round.
@@ -170,13 +170,14 @@ class DecoupledDiLoCo(DiLoCo):
         self._agreed = False
         if step != self._counted:  # (once a step: the exchange is run again after a change of the ranks)
             self._counted = step
-            own = result.data_s + result.compute_s if result.computed else result.data_s
             if result.computed:
-                self._paces.append(own)
+                self._paces.append(result.data_s + result.compute_s)
+                self._catch.computed(statistics.median(self._paces), self._group_s)
+            else:
+                self._catch.skipped(self._group_s)
             if result.computed and result.stepped:
                 self._computed += 1
                 self._held = [h + 1 for h in self._held]
-            self._catch.spent(own, self._group_s)
         fragment = fragment_due(step, self.inner_steps, self.fragments)
         if fragment is not None:
             index = (step + 1) // self._interval - 1

@@ -87,21 +87,25 @@ def goodput(entered: int, computed: int) -> float:
 
 
 class CatchUp:
-    """When a learner behind the others skips a step's compute (DyLU, arXiv 2401.09135, as a rule of time): its
-    ``debt`` is how much longer its steps took than the group's pace (the learners' median), never below 0 (a fast
-    learner banks no time, it waits); it skips a step where the debt reaches half the group's step, which pays one
-    group step back. A learner k times slower than the others computes about one step in k; one on time, all."""
+    """When a learner behind the others skips a step's compute (DyLU, arXiv 2401.09135, as a rule of time). Where
+    its pace (its median step lately) is more than ``tolerance`` longer than the group's (the learners' median
+    step), each step it computes puts it ``pace - group`` behind, and it skips a step (which takes it about no time)
+    whenever it is a whole group step behind; within the tolerance it is on time (noise, not slowness) and owes
+    nothing. A learner k times slower than the others computes one step in k; one on time, every step."""
 
-    def __init__(self) -> None:
-        self.debt = 0.0
+    def __init__(self, tolerance: float = 0.1) -> None:
+        self.tolerance, self.debt = tolerance, 0.0
 
     def skip(self, group_s: float) -> bool:
-        return group_s > 0 and self.debt >= group_s / 2
+        return group_s > 0 and self.debt >= group_s
 
-    def spent(self, own_s: float, group_s: float) -> None:
-        """A step slot passed: this learner spent ``own_s`` on it (about 0 where it skipped)."""
+    def computed(self, pace_s: float, group_s: float) -> None:
+        """A step computed, at this learner's pace ``pace_s``."""
         if group_s > 0:
-            self.debt = max(0.0, self.debt + own_s - group_s)
+            self.debt = self.debt + pace_s - group_s if pace_s > (1 + self.tolerance) * group_s else 0.0
+
+    def skipped(self, group_s: float) -> None:
+        self.debt = max(0.0, self.debt - group_s)
 
 
 class Grace:

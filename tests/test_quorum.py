@@ -75,29 +75,33 @@ def test_quorum_counts_learners_at_least_one():
     assert goodput(90, 100) == 0.9 and goodput(0, 0) == 1.0
 
 
-def test_a_learner_three_times_slower_computes_one_step_in_three():
-    slow, group = CatchUp(), 0.1
+@pytest.mark.parametrize("slower,computes", [(3.0, 100), (2.0, 150), (1.5, 200), (1.05, 300)])
+def test_a_learner_k_times_slower_computes_one_step_in_k(slower, computes):
+    learner, group = CatchUp(), 0.1
     computed = 0
     for _ in range(300):
-        if slow.skip(group):
-            slow.spent(0.0, group)
+        if learner.skip(group):
+            learner.skipped(group)
         else:
-            slow.spent(0.3, group)
+            learner.computed(slower * group, group)
             computed += 1
-    assert computed == 100
+    assert computed == computes  # (1.05: within the tolerance, on time)
 
 
 def test_a_learner_on_time_never_skips_and_banks_no_time():
     on_time = CatchUp()
-    for own in [0.09, 0.11, 0.105, 0.095] * 50:  # within half a step of the group's 0.1 s
+    for pace in [0.09, 0.11, 0.105, 0.095] * 50:  # within the tolerance of the group's 0.1 s
         assert not on_time.skip(0.1)
-        on_time.spent(own, 0.1)
+        on_time.computed(pace, 0.1)
+    assert on_time.debt == 0.0
     fast = CatchUp()
     for _ in range(50):
-        fast.spent(0.01, 0.1)
+        fast.computed(0.01, 0.1)
     assert fast.debt == 0.0
-    fast.spent(0.16, 0.1)  # then one slow step: behind by 0.06 s, more than half a step: it skips the next
+    fast.computed(0.25, 0.1)  # then slower: behind by 0.15 s, more than a step, so it skips the next
     assert fast.skip(0.1)
+    fast.skipped(0.1)
+    assert not fast.skip(0.1) and fast.debt == pytest.approx(0.05)
 
 
 def test_grace_is_a_step_until_measured_then_twice_the_median_wait_under_that_cap():
