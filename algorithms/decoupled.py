@@ -105,6 +105,7 @@ class DecoupledDiLoCo(DiLoCo):
         super().__init__(**diloco)
         self.quorum, self.quorum_by, self.late_decay = quorum, quorum_by, late_decay
         self.grace_steps, self.catch_up = grace_steps, catch_up
+        self._syncer: Syncer | None = None  # (none before setup: a joiner's algorithm may be finalized unset)
 
     @classmethod
     def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
@@ -138,7 +139,6 @@ class DecoupledDiLoCo(DiLoCo):
         self._skipping = False
         self._counted = -1  # the step last counted
         self._interval = self.inner_steps // self.fragments  # steps between rounds (round r after step (r+1)H/P - 1)
-        self._syncer: Syncer | None = None
         floating = [b for b in model.buffers() if b.is_floating_point()]
         self._buffer_numel = sum(b.numel() for b in floating)
         self._buffer_dtype = floating[0].dtype if floating else torch.float32

@@ -168,7 +168,12 @@ class Admissions:
         """The ids admitted by ``decision``, each with its node's name (written with its ticket)."""
         m = self.membership
         ids = {t: ticket_rank(m.initial_size, t) for t in self.tickets(decision)}
-        return {r: NodeTicket.read(m.store.get(self.keys.node(t))).node for t, r in ids.items()}
+        told = {t: self.keys.node(t) for t in ids}
+        try:  # (a process that died between its ticket and its node's name never writes it: it is named "")
+            m.store.wait(list(told.values()), datetime.timedelta(seconds=self.wait_s))
+        except dist.DistError:
+            pass
+        return {r: NodeTicket.read(m.store.get(told[t])).node if m.store.check([told[t]]) else "" for t, r in ids.items()}
 
     def announce(self, decision: Decision, joiners: dict[int, str]) -> Admission:
         """Write each ticket's admission: the members' view just before it (the first writer's, for all)."""
