@@ -173,7 +173,8 @@ class Admissions:
             m.store.wait(list(told.values()), datetime.timedelta(seconds=self.wait_s))
         except dist.DistError:
             pass
-        return {r: NodeTicket.read(m.store.get(told[t])).node if m.store.check([told[t]]) else "" for t, r in ids.items()}
+        named = {t: NodeTicket.read(m.store.get(key)).node for t, key in told.items() if m.store.check([key])}
+        return {r: named.get(t, "") for t, r in ids.items()}
 
     def announce(self, decision: Decision, joiners: dict[int, str]) -> Admission:
         """Write each ticket's admission: the members' view just before it (the first writer's, for all)."""
