@@ -15,12 +15,13 @@ t + delay. What differs is who a round waits for:
   ``quorum_by=samples``); that learner then waits for the rest at most a grace window sized from the waits that
   brought everyone in lately (never more than ``grace_steps`` of the learners' median step). Every learner applies
   round r after step t + delay, as streaming DiLoCo does, so it waits at most for the quorum and the network.
-- **The merge** (:mod:`algorithms.quorum`) weighs each contribution by the steps it holds (every rank's batch is the
-  same size: its samples) and ``late_decay`` per round it missed; a learner whose pseudo-gradient missed the round
-  keeps its progress (its fragment moves by the global step) and brings it to the next round of that fragment.
+- **The merge** (:mod:`algorithms.quorum`) counts every sample the same (every rank's batch is the same size: a
+  step is its samples): the round's mean pseudo-gradient per sample, scaled to a round's, each contribution
+  discounted by ``late_decay`` per round it missed; a learner whose pseudo-gradient missed the round keeps its
+  progress (its fragment moves by the global step) and brings it to the next round of that fragment.
   Every header travels with the round, so the merge is computed alike on every rank: the global fragments stay
   bit-identical, and with everyone on time the mode is streaming DiLoCo, step for step.
-- **Catching up** (``catch_up``, DyLU as a rule of time): a learner whose median step is more than 10 % longer than
+- **Catching up** (``catch_up``, DyLU as a rule of time): a learner whose median step is more than 25 % longer than
   the learners' median step skips a step's compute (its batch is dropped) whenever it is a whole step behind, so a
   learner k times slower computes one step in k and stays within a step of the others: it is never evicted and its
   work counts, weighted by what it computed.
@@ -50,11 +51,12 @@ from algorithms.quorum import (
     CatchUp,
     Grace,
     Header,
+    Weights,
     carry,
-    factors,
     goodput,
     merge,
     quorum_of,
+    weights,
 )
 from distributed.membership import DEFAULT_TIMEOUT, Change
 from errors import is_number, require
@@ -460,14 +462,13 @@ class Syncer(threading.Thread):
         outcome = Round(index, fragment, self.generation, contributed=mine.contributes)
         if self.group is None:  # (a learner alone: its own pseudo-gradient is the merge)
             headers = [mine]
-            factor = factors(headers, owner.late_decay)
-            merged = merge([delta], factor) if delta is not None else None
+            merged = merge([delta], weights(headers, owner.late_decay)) if delta is not None else None
             merged_buffers = buffers
         else:
             headers = [Header.of(h.tolist()) for h in self._all_gather(mine.tensor(self.device))]
-            factor = factors(headers, owner.late_decay)
-            merged = self._merge(delta, factor, hi - lo)
-            merged_buffers = self._merge_buffers(buffers, factor) if owner._merges_buffers(fragment) else None
+            w = weights(headers, owner.late_decay)
+            merged = self._merge(delta, w, hi - lo)
+            merged_buffers = self._merge_buffers(buffers, w.buffer_factors()) if owner._merges_buffers(fragment) else None
         outcome.headers = headers
         if merged is None:
             return outcome
@@ -503,16 +504,16 @@ class Syncer(threading.Thread):
         self._wait(dist.all_reduce(tensor, group=self.group, async_op=True))
         return tensor
 
-    def _merge(self, delta: torch.Tensor | None, factor: list[float], n: int) -> torch.Tensor | None:
-        """The merged pseudo-gradient, exchanged as streaming DiLoCo exchanges it (``quantize``), weighted by
-        ``factor`` (this rank's: what it sends is its pseudo-gradient times it, nothing where 0)."""
-        owner, total, mine = self.owner, sum(factor), factor[self._index()]
+    def _merge(self, delta: torch.Tensor | None, w: Weights, n: int) -> torch.Tensor | None:
+        """The merged pseudo-gradient, exchanged as streaming DiLoCo exchanges it (``quantize``), weighted by ``w``
+        (this rank sends its pseudo-gradient times its part, nothing where 0; the sum is divided by ``w.total``)."""
+        owner, total, mine = self.owner, w.total, w.parts[self._index()]
         if total <= 0:
             return None
         own = delta if delta is not None and mine > 0 else torch.zeros(n, device=self.device)
         if owner.quantize == "int8":  # (each part decoded, then weighted: merge() in rank order, as streaming sums)
             packed = self._all_gather(quantize_int8(own, owner.quant_block))
-            return merge([dequantize_int8(p, n, owner.quant_block) for p in packed], factor)
+            return merge([dequantize_int8(p, n, owner.quant_block) for p in packed], w)
         sent = own if mine == 1.0 else own * mine
         if owner.quantize == "fp16":
             return self._all_reduce(sent.half()).float() / total

@@ -8,11 +8,20 @@ they last took minus their own). Each learner sends, with its Δ_i, a :class:`He
 Δ_i was ready when the round closed), the samples its Δ_i holds (computed since its last contribution to f) and how
 many rounds of f closed without it since then (``missed``).
 
-**The merge.** A contribution weighs ``w_i = samples_i × decay ** missed_i`` (0 for a learner that does not
-contribute); the merged pseudo-gradient is ``Δ = Σ f_i Δ_i / Σ f_i`` with ``f_i = w_i / max_j w_j``, which is the
-weighted mean Σ w_i Δ_i / Σ w_i. Where every learner contributes on time with the same samples, every f_i is exactly
-1 and the merge is the plain sum over the learners divided by their count: streaming DiLoCo's average, to the bit.
-The outer optimizer then steps on Δ as streaming DiLoCo's does.
+**The merge: every sample counts the same.** A pseudo-gradient is a sum over the steps it holds, so a learner that
+computed fewer (one that skips steps to catch up) sends a shorter one. The merged pseudo-gradient is the round's
+mean per sample, scaled to a round's samples:
+
+    Δ = Σ d_i Δ_i / Σ d_i (s_i / S),    d_i = decay ** missed_i (0 where learner i is not in the round)
+
+with s_i the samples Δ_i holds and S the round's span, the samples of a learner on time (the most any contributor
+that missed no round holds; the most any contributor holds where all missed one). A learner k times slower that
+computed S/k samples weighs 1/k in the denominator and brings Δ_i of about 1/k of a round: its samples count as
+everyone's, and the round moves as far as one of learners all on time. One late by a round brings the samples of
+two, discounted once. Where every learner contributes on time with the same samples, every d_i and s_i / S is
+exactly 1 and the merge is the plain sum over the learners divided by their count: streaming DiLoCo's average, to
+the bit. The outer optimizer then steps on Δ as streaming DiLoCo's does. BN statistics, states rather than sums,
+are merged as the mean weighted by d_i s_i.
 
 **A learner that missed the round** keeps its own progress: its fragment moves by the global step,
 ``θ_i,f += θ_f,new − θ_f,old``, so its pseudo-gradient in the next round of f is what it computed since it last
@@ -31,6 +40,9 @@ from dataclasses import astuple, dataclass
 import torch
 
 QUORUM_BY = ("learners", "samples")
+# A learner whose pace is within this share of the learners' median is on time: the noise of shared machines (steps
+# 10-20 % apart on a node of 2 cores and 4 processes), or a slowdown the quorum absorbs, costs no skipped step.
+CATCH_UP_TOLERANCE = 0.25
 
 
 @dataclass(frozen=True)
@@ -52,21 +64,40 @@ class Header:
         return cls(bool(c), int(s), int(m), p, int(n))
 
 
-def factors(headers: Sequence[Header], decay: float) -> list[float]:
-    """Each learner's factor in the merge, ``w_i / max_j w_j`` with ``w_i = samples_i × decay ** missed_i`` (0
-    where it does not contribute): exactly 1.0 for the heaviest, and for every learner where all weigh the same."""
-    raw = [h.samples * decay**h.missed if h.contributes else 0.0 for h in headers]
-    top = max(raw, default=0.0)
-    return [w / top for w in raw] if top > 0 else raw
+@dataclass(frozen=True)
+class Weights:
+    """A round's weights (:func:`weights`): ``parts``, what each learner's pseudo-gradient is multiplied by (d_i);
+    ``shares``, its samples over the round's span, discounted (d_i s_i / S), whose sum divides."""
+
+    parts: list[float]
+    shares: list[float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.shares)
+
+    def buffer_factors(self) -> list[float]:
+        """The BN statistics' factors: the shares over the largest (exactly 1.0 for each where all weigh the same)."""
+        top = max(self.shares, default=0.0)
+        return [s / top for s in self.shares] if top > 0 else list(self.shares)
 
 
-def merge(parts: Sequence[torch.Tensor], factor: Sequence[float]) -> torch.Tensor | None:
-    """The merged pseudo-gradient ``Σ f_i Δ_i / Σ f_i`` of the learners' ``parts`` (in rank order, the same on
-    every rank), or None where no one contributed. A factor of 1 adds the part as it is."""
-    total = sum(factor)
+def weights(headers: Sequence[Header], decay: float) -> Weights:
+    """The module docstring's ``d_i`` and ``d_i s_i / S`` for one round's ``headers`` (in rank order)."""
+    parts = [decay**h.missed if h.contributes else 0.0 for h in headers]
+    on_time = [h.samples for h in headers if h.contributes and not h.missed]
+    span = max(on_time or [h.samples for h in headers if h.contributes] or [0])
+    shares = [d * h.samples / span if d and span else 0.0 for d, h in zip(parts, headers)]
+    return Weights(parts, shares)
+
+
+def merge(parts: Sequence[torch.Tensor], w: Weights) -> torch.Tensor | None:
+    """The merged pseudo-gradient ``Σ d_i Δ_i / Σ d_i s_i / S`` of the learners' ``parts`` (in rank order, the same
+    on every rank), or None where no one contributed samples. A part weighing 1 is added as it is."""
+    total = w.total
     if total <= 0:
         return None
-    summed = sum(p if f == 1.0 else p * f for p, f in zip(parts, factor) if f > 0)
+    summed = sum(p if d == 1.0 else p * d for p, d in zip(parts, w.parts) if d > 0)
     return summed / total
 
 
@@ -93,7 +124,7 @@ class CatchUp:
     whenever it is a whole group step behind; within the tolerance it is on time (noise, not slowness) and owes
     nothing. A learner k times slower than the others computes one step in k; one on time, every step."""
 
-    def __init__(self, tolerance: float = 0.1) -> None:
+    def __init__(self, tolerance: float = CATCH_UP_TOLERANCE) -> None:
         self.tolerance, self.debt = tolerance, 0.0
 
     def skip(self, group_s: float) -> bool:

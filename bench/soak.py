@@ -57,7 +57,9 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 SYNCS = ("allreduce", "localsgd", "dgc", "sgp", "diloco")
 # (allreduce in 0.25 MiB buckets: a kill lands among several, some of which only some ranks issued)
 EXTRA = {"allreduce": ["sync.bucket_cap_mb=0.25"], "localsgd": ["sync.k_steps=4"], "diloco": ["sync.inner_steps=8"],
-         "dgc": ["sync.min_compress_numel=1024"]}  # fmt: skip
+         "dgc": ["sync.min_compress_numel=1024"],
+         "decoupled": ["sync.inner_steps=8", "sync.fragments=2", "sync.delay=1"]}  # fmt: skip
+# (sync=decoupled, not in the default SYNCS: a round every 4 steps, applied a step after it is posted)
 # Runs whose failures come fewer to an epoch (a join enters at the next averaging, every 4 or 8 steps) train longer
 # than --epochs, so that their share fits: in the first 1000-failure soak, 150 epochs held 188 of local SGD's 200
 # failures and 150 of DiLoCo's.

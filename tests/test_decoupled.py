@@ -58,8 +58,9 @@ def test_a_learner_late_for_a_round_counts_in_the_next_by_the_written_rule(tmp_p
     learner stops for 3 s after step 4 (tests/_decoupled.py), so round 1 (fragment 1, posted after step 7) closes on
     the quorum at step 10 without it, and it keeps its progress (carried); after the epoch's evaluation, which waits
     for everyone, it is on time and brings fragment 1's 16 steps, one round missed, to round 3. Every round, on every
-    rank, is checked in float64 against the rule computed here from the logged pseudo-gradients and headers: weights
-    steps x 0.25 ** missed, the weighted mean, then Nesterov (lr 0.7, momentum 0.9), within float32's rounding."""
+    rank, is checked in float64 against the rule computed here from the logged pseudo-gradients and headers: the
+    pseudo-gradients times 0.25 ** missed, summed, over the sum of the shares (steps x 0.25 ** missed / the steps
+    of those on time), then Nesterov (lr 0.7, momentum 0.9), within float32's rounding."""
     from _decoupled import STALLED_RANK, stalled_once_logging_rounds
     from _rounding import EPS
 
@@ -70,14 +71,15 @@ def test_a_learner_late_for_a_round_counts_in_the_next_by_the_written_rule(tmp_p
     logs = [_load(tmp_path / "late" / f"rounds_rank{r}.pt") for r in range(3)]
     assert [[r["index"] for r in log["rounds"]] for log in logs] == [list(range(6))] * 3
     # By hand, per round: who was in, with how many steps (since its last contribution to the fragment, or the
-    # start), having missed how many rounds of the fragment since; and the factors w / max w.
+    # start), having missed how many rounds of the fragment since; each part d = 0.25 ** missed and share d x steps
+    # over the round's span (the steps of those on time).
     expected = {
-        0: ([1, 1, 1], [4, 4, 4], [0, 0, 0], [1.0, 1.0, 1.0]),  # fragment 0, steps 0-3
-        1: ([1, 1, 0], [8, 8, 0], [0, 0, 0], [1.0, 1.0, 0.0]),  # fragment 1, steps 0-7; rank 2 stopped
-        2: ([1, 1, 1], [5, 5, 5], [0, 0, 0], [1.0, 1.0, 1.0]),  # fragment 0, steps 7-11 (round 0 applied at 6)
-        3: ([1, 1, 1], [5, 5, 16], [0, 0, 1], [1.0, 1.0, 0.8]),  # fragment 1: rank 2's 16 steps x 0.25 = 4 of 5
-        4: ([1, 1, 1], [8, 8, 8], [0, 0, 0], [1.0, 1.0, 1.0]),
-        5: ([1, 1, 1], [5, 5, 5], [0, 0, 0], [1.0, 1.0, 1.0]),
+        0: ([1, 1, 1], [4, 4, 4], [0, 0, 0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]),  # fragment 0, steps 0-3
+        1: ([1, 1, 0], [8, 8, 0], [0, 0, 0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0]),  # fragment 1, steps 0-7; rank 2 out
+        2: ([1, 1, 1], [5, 5, 5], [0, 0, 0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]),  # fragment 0, steps 7-11
+        3: ([1, 1, 1], [5, 5, 16], [0, 0, 1], [1.0, 1.0, 0.25], [1.0, 1.0, 0.8]),  # rank 2: 16 steps x 0.25 / 5
+        4: ([1, 1, 1], [8, 8, 8], [0, 0, 0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]),
+        5: ([1, 1, 1], [5, 5, 5], [0, 0, 0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]),
     }
     for index in range(6):
         on = [log["rounds"][index] for log in logs]
@@ -85,10 +87,11 @@ def test_a_learner_late_for_a_round_counts_in_the_next_by_the_written_rule(tmp_p
             assert other["headers"] == on[0]["headers"]
             assert all(torch.equal(other[k], on[0][k]) for k in ("old", "momentum", "new")), index
         contributes, steps, missed = ([h[i] for h in on[0]["headers"]] for i in range(3))
-        weights = [s * 0.25**m if c else 0.0 for c, s, m in zip(contributes, steps, missed)]
-        factors = [w / max(weights) for w in weights]
-        assert (contributes, steps, missed, factors) == expected[index], index
-        merged = sum(f * r["delta"].double() for f, r in zip(factors, on) if f > 0) / sum(factors)
+        parts = [0.25**m if c else 0.0 for c, m in zip(contributes, missed)]
+        span = max(s for c, s, m in zip(contributes, steps, missed) if c and not m)
+        shares = [d * s / span for d, s in zip(parts, steps)]
+        assert (contributes, steps, missed, parts, [pytest.approx(x) for x in shares]) == expected[index], index
+        merged = sum(d * r["delta"].double() for d, r in zip(parts, on) if d > 0) / sum(shares)
         momentum = 0.9 * on[0]["momentum"].double() + merged
         update = 0.7 * (merged + 0.9 * momentum)
         theta = on[0]["old"].double() - update

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from algorithms.diloco import DiLoCo
-from algorithms.quorum import CatchUp, Grace, Header, carry, factors, goodput, merge, quorum_of
+from algorithms.quorum import CatchUp, Grace, Header, Weights, carry, goodput, merge, quorum_of, weights
 
 F64 = torch.float64
 
@@ -17,31 +17,54 @@ def _header(samples: int, missed: int = 0, contributes: bool = True) -> Header:
     return Header(contributes, samples, missed, 0.1, 1000)
 
 
-def test_a_learner_late_by_a_round_weighs_its_samples_discounted_once():
-    # Learners 0 and 1 on time with 64 samples each; learner 2 missed the last round of the fragment and brings 32
-    # samples now. decay 0.5: weights 64, 64, 32 x 0.5 = 16, so factors 1, 1, 0.25.
+def test_a_learner_late_by_a_round_brings_its_samples_discounted_once():
+    # Learners 0 and 1 on time with 64 samples each (the round's span S); learner 2 missed the last round of the
+    # fragment and brings 32 samples now. decay 0.5: parts 1, 1, 0.5; shares 1, 1, 0.5 x 32 / 64 = 0.25.
     headers = [_header(64), _header(64), _header(32, missed=1)]
-    assert factors(headers, 0.5) == [1.0, 1.0, 0.25]
+    w = weights(headers, 0.5)
+    assert (w.parts, w.shares, w.total) == ([1.0, 1.0, 0.5], [1.0, 1.0, 0.25], 2.25)
     parts = [torch.tensor(v, dtype=F64) for v in ([0.5, 0.25], [0.25, -0.5], [1.0, 1.0])]
-    merged = merge(parts, factors(headers, 0.5))
-    # By hand: (64 x 0.5 + 64 x 0.25 + 16 x 1) / 144 = 64 / 144 and (16 - 32 + 16) / 144 = 0.
+    merged = merge(parts, w)
+    # By hand: (0.5 + 0.25 + 0.5 x 1) / 2.25 = 5/9 and (0.25 - 0.5 + 0.5 x 1) / 2.25 = 1/9.
     assert merged is not None and merged.dtype == F64
-    assert merged.tolist() == [pytest.approx(64 / 144, rel=1e-15, abs=0), 0.0]
+    assert merged.tolist() == [pytest.approx(5 / 9, rel=1e-15, abs=0), pytest.approx(1 / 9, rel=1e-15, abs=0)]
     # The outer step on it (Nesterov, lr 0.7, momentum 0.9, from momentum 0.1, 0.2), by hand:
     theta, momentum = torch.tensor([1.0, -2.0], dtype=F64), torch.tensor([0.1, 0.2], dtype=F64)
     DiLoCo(outer_lr=0.7, outer_momentum=0.9)._outer_step(theta, momentum, merged)
-    m0, m1 = 0.9 * 0.1 + 64 / 144, 0.9 * 0.2 + 0.0
-    expected = [1.0 - 0.7 * (64 / 144 + 0.9 * m0), -2.0 - 0.7 * (0.0 + 0.9 * m1)]
+    m0, m1 = 0.9 * 0.1 + 5 / 9, 0.9 * 0.2 + 1 / 9
+    expected = [1.0 - 0.7 * (5 / 9 + 0.9 * m0), -2.0 - 0.7 * (1 / 9 + 0.9 * m1)]
     assert momentum.tolist() == [pytest.approx(m0, rel=1e-15), pytest.approx(m1, rel=1e-15)]
     assert theta.tolist() == [pytest.approx(expected[0], rel=1e-15), pytest.approx(expected[1], rel=1e-15)]
 
 
+def test_a_slow_learner_s_steps_count_as_the_others_and_the_round_moves_a_whole_round():
+    # Learner 2 computed a third of the round's 96 steps (it skipped to catch up): its pseudo-gradient, a sum over
+    # 32 steps, is added as it is and its share is 1/3. Every learner moved 1.0 per step in the same direction:
+    # the merge is 96 (a round's worth, 1.0 per step), where weighing the parts by their steps gave
+    # (96 + 96 + 32/3) / (7/3) = 86.9 and the plain mean 74.7.
+    headers = [_header(96), _header(96), _header(32)]
+    w = weights(headers, 0.5)
+    assert w.parts == [1.0, 1.0, 1.0] and w.shares == [1.0, 1.0, 32 / 96]
+    parts = [torch.tensor([96.0], dtype=F64), torch.tensor([96.0], dtype=F64), torch.tensor([32.0], dtype=F64)]
+    assert merge(parts, w).tolist() == [pytest.approx(96.0, rel=1e-15)]
+    # BN statistics, states rather than sums: the mean weighted by the shares, the heaviest's factor exactly 1.
+    assert w.buffer_factors() == [1.0, 1.0, 32 / 96]
+
+
+def test_where_every_contributor_missed_a_round_the_span_is_the_most_any_holds():
+    headers = [_header(64, missed=1), _header(32, missed=1), _header(0, contributes=False)]
+    w = weights(headers, 0.5)
+    assert (w.parts, w.shares) == ([0.5, 0.5, 0.0], [0.5, 0.25, 0.0])
+    parts = [torch.tensor([4.0], dtype=F64), torch.tensor([2.0], dtype=F64), torch.tensor([1e9], dtype=F64)]
+    assert merge(parts, w).tolist() == [pytest.approx(3.0 / 0.75, rel=1e-15)]  # (0.5 x 4 + 0.5 x 2) / 0.75
+
+
 def test_a_learner_not_in_the_round_adds_nothing_and_the_rest_average():
     headers = [_header(64), _header(0, contributes=False), _header(64)]
-    assert factors(headers, 0.5) == [1.0, 0.0, 1.0]
+    assert weights(headers, 0.5) == Weights([1.0, 0.0, 1.0], [1.0, 0.0, 1.0])
     parts = [torch.tensor([2.0], dtype=F64), torch.tensor([1e9], dtype=F64), torch.tensor([4.0], dtype=F64)]
-    assert merge(parts, factors(headers, 0.5)).tolist() == [3.0]
-    assert merge(parts, factors([_header(64, contributes=False)] * 3, 0.5)) is None  # (no one: no outer step)
+    assert merge(parts, weights(headers, 0.5)).tolist() == [3.0]
+    assert merge(parts, weights([_header(64, contributes=False)] * 3, 0.5)) is None  # (no one: no outer step)
 
 
 @pytest.mark.parametrize("learners", [2, 3, 4])
@@ -52,7 +75,7 @@ def test_everyone_on_time_merges_to_streaming_diloco_average_to_the_bit(learners
     for p in parts[1:]:
         streaming += p  # (an allreduce's sum, in rank order)
     streaming /= learners
-    merged = merge(parts, factors([_header(96)] * learners, 0.5))
+    merged = merge(parts, weights([_header(96)] * learners, 0.5))
     assert torch.equal(merged, streaming)
 
 
@@ -75,7 +98,7 @@ def test_quorum_counts_learners_at_least_one():
     assert goodput(90, 100) == 0.9 and goodput(0, 0) == 1.0
 
 
-@pytest.mark.parametrize("slower,computes", [(3.0, 100), (2.0, 150), (1.5, 200), (1.05, 300)])
+@pytest.mark.parametrize("slower,computes", [(3.0, 100), (2.0, 150), (1.5, 200), (1.2, 300), (1.05, 300)])
 def test_a_learner_k_times_slower_computes_one_step_in_k(slower, computes):
     learner, group = CatchUp(), 0.1
     computed = 0
@@ -85,12 +108,12 @@ def test_a_learner_k_times_slower_computes_one_step_in_k(slower, computes):
         else:
             learner.computed(slower * group, group)
             computed += 1
-    assert computed == computes  # (1.05: within the tolerance, on time)
+    assert computed == computes  # (1.2 and 1.05: within the tolerance, on time: noise)
 
 
 def test_a_learner_on_time_never_skips_and_banks_no_time():
     on_time = CatchUp()
-    for pace in [0.09, 0.11, 0.105, 0.095] * 50:  # within the tolerance of the group's 0.1 s
+    for pace in [0.09, 0.12, 0.105, 0.08] * 50:  # within the tolerance of the group's 0.1 s
         assert not on_time.skip(0.1)
         on_time.computed(pace, 0.1)
     assert on_time.debt == 0.0

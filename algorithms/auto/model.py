@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from algorithms.quorum import CATCH_UP_TOLERANCE
+
 FLOAT_BYTES = 4  # what gradients and parameters travel as (fp32)
 INDEX_BYTES = 4  # DGC's int32 indices
 INT8_BYTES = 1
@@ -210,13 +212,15 @@ def pace_of(section: Mapping[str, Any], measured: Measured, replicas: list[int])
 
 def samples_share(section: Mapping[str, Any], measured: Measured) -> float:
     """The share of the replicas' steps that are computed: 1, but under sync=decoupled with ``catch_up`` a learner
-    k times slower than the median computes one step in k. Its steps to the target are its data's (measured where
-    every learner computes every step) over this share."""
+    k times slower than the median computes one step in k (one within the tolerance, every step). Its steps to the
+    target are its data's (measured where every learner computes every step) over this share."""
     replicas = kept(section, measured)
     if not _catches_up(section):
         return 1.0
     pace = pace_of(section, measured, replicas)
-    return sum(min(1.0, pace / max(measured.compute_s[i], 1e-12)) for i in replicas) / len(replicas)
+    slowest = (1 + CATCH_UP_TOLERANCE) * pace
+    paces = [measured.compute_s[i] for i in replicas]
+    return sum(1.0 if p <= slowest else pace / p for p in paces) / len(replicas)
 
 
 def step_seconds(section: Mapping[str, Any], measured: Measured) -> float:
