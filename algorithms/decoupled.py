@@ -26,8 +26,11 @@ t + delay. What differs is who a round waits for:
   learner k times slower computes one step in k and stays within a step of the others: it is never evicted and its
   work counts, weighted by what it computed.
 
-Goodput (``goodput`` in the records): the steps that entered the merged model over the steps computed, from every
-learner's header. BN statistics are merged as the pseudo-gradients are, with the last fragment's round.
+Goodput (``goodput`` in the records): the steps that entered the merged model over the steps computed up to each
+fragment's latest round (those since are in no round yet), from every learner's header. Below 1 by ``delay / H``
+with everyone on time (a fragment's steps between a round's post and its apply are overwritten by the global
+fragment, as in streaming DiLoCo), and by what a learner lost took with it. BN statistics are merged as the
+pseudo-gradients are, with the last fragment's round.
 """
 
 from __future__ import annotations
@@ -135,7 +138,8 @@ class DecoupledDiLoCo(DiLoCo):
         self._computed = 0  # steps this learner computed in the run
         self._paces: deque[float] = deque(maxlen=16)  # its seconds per computed step, lately
         self._group_s = 0.0  # the learners' median step (from the last round's headers)
-        self._entered = 0  # steps that entered the merged model (summed over fragments) and computed, all learners
+        self._entered = 0  # steps that entered the merged model (summed over fragments), all learners
+        self._computed_at = [0] * self.fragments  # steps computed by all learners up to each fragment's last round
         self._computed_all = 0
         self._catch, self._grace = CatchUp(), Grace(self.grace_steps)
         self._skipping = False
@@ -189,8 +193,8 @@ class DecoupledDiLoCo(DiLoCo):
         while self._rounds and self._rounds[0].due <= step:
             metrics.update(self._apply_round(self._rounds[0]))
             self._rounds.popleft()
-        if self._computed_all:
-            metrics["goodput"] = goodput(self._entered, self._computed_all * self.fragments)
+        if self._computed_all:  # (steps computed since a fragment's last round are not yet due to enter it)
+            metrics["goodput"] = goodput(self._entered, sum(self._computed_at))
         return SyncReport(metrics=metrics)
 
     def _post(self, index: int, fragment: int) -> None:
@@ -269,6 +273,7 @@ class DecoupledDiLoCo(DiLoCo):
         self._group_s = statistics.median(paces) if paces else 0.0
         self._entered += sum(h.samples for h in headers if h.contributes)
         self._computed_all = sum(h.computed for h in headers)
+        self._computed_at[due.fragment] = self._computed_all
         self._agreed = self._whole and all(h.contributes for h in headers)  # (a learner that missed it kept its own)
         return {
             "round_contributors": float(sum(h.contributes for h in headers)),
@@ -324,6 +329,7 @@ class DecoupledDiLoCo(DiLoCo):
     # ---- state -----------------------------------------------------------------------------------------------
     def local_state_dict(self) -> dict[str, Any]:
         own = {"held": list(self._held), "missed": list(self._missed), "computed": self._computed}
+        own |= {"entered": self._entered, "computed_at": list(self._computed_at)}  # (goodput's, alike on every rank)
         return {**super().local_state_dict(), "decoupled": own}
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
@@ -331,6 +337,8 @@ class DecoupledDiLoCo(DiLoCo):
         own = state.get("decoupled")
         if own is not None:
             self._held, self._missed, self._computed = list(own["held"]), list(own["missed"]), own["computed"]
+            self._entered = own.get("entered", 0)
+            self._computed_at = list(own.get("computed_at", [0] * self.fragments))
 
 
 class Syncer(threading.Thread):
@@ -468,7 +476,9 @@ class Syncer(threading.Thread):
             headers = [Header.of(h.tolist()) for h in self._all_gather(mine.tensor(self.device))]
             w = weights(headers, owner.late_decay)
             merged = self._merge(delta, w, hi - lo)
-            merged_buffers = self._merge_buffers(buffers, w.buffer_factors()) if owner._merges_buffers(fragment) else None
+            merged_buffers = (
+                self._merge_buffers(buffers, w.buffer_factors()) if owner._merges_buffers(fragment) else None
+            )
         outcome.headers = headers
         if merged is None:
             return outcome

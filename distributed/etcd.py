@@ -43,7 +43,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from distributed.runstore import RunStore
+from distributed.runstore import RunEnded, RunStore
 
 SCHEME = "etcd://"
 TLS_SCHEME = "etcds://"  # the members' client URLs are https://, and each client shows a certificate of the run's CA
@@ -56,6 +56,9 @@ ATTEMPT_S = 2.0  # one request to one member; etcd answers a write within its el
 HURRIED_S = 0.5
 REACH_S = 6.0  # every member tried, again and again, before the store counts as unreachable
 WATCH_S = 1.0  # a wait watches its key for this long at a time, then reads the keys again
+# A run's end leaves one key for this long: a process that wakes later (continued after it hung) finds it, instead
+# of waiting out the store's timeout for keys deleted with the run.
+ENDED_TTL_S = 86400
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: a transaction of more operations is refused
 MAX_TXN_BYTES = 1 << 20  # under etcd's default --max-request-bytes (1.5 MiB), with room for the JSON around it
 # gRPC codes of an answer that another member, or the same one later, would give again (the gateway's JSON has them):
@@ -249,6 +252,7 @@ class EtcdStore(dist.Store, RunStore):
         self._lease: tuple[str, float] | None = None  # (id, when granted)
         self._data = f"/relaxsync/{self.root}/k/".encode()
         self._marks = f"/relaxsync/{self.root}/m/".encode()
+        self._ended = f"/relaxsync-ended/{self.root}".encode()  # (outside the run's keys: :meth:`forget_run`)
         self._boards = f"/relaxsync/{self.root}/b/".encode()
         self._client, self._seq = uuid.uuid4().hex[:12], itertools.count(1)
         self._at = int(self._client, 16) % len(self.endpoints) if first is None else first
@@ -409,6 +413,8 @@ class EtcdStore(dist.Store, RunStore):
         """Delete every key of this store's run (its data, markers and boards), at the run's clean end: a run that
         ended leaves nothing in the cluster. Returns how many keys went."""
         prefix = f"/relaxsync/{self.root}/".encode()
+        lease = self._call("lease/grant", {"TTL": str(ENDED_TTL_S)})["ID"]
+        self._call("kv/put", {"key": _b64(self._ended), "value": _b64(b"1"), "lease": lease})
         answer = self._call("kv/deleterange", {"key": _b64(prefix), "range_end": _b64(_range_end(prefix))})
         return int(answer.get("deleted", 0))
 
@@ -458,7 +464,9 @@ class EtcdStore(dist.Store, RunStore):
         limit = (timeout or self.timeout).total_seconds()
         deadline, pending = time.monotonic() + limit, [self._key(k) for k in keys]
         while True:
-            records, revision = self._read(pending)
+            records, revision = self._read([*pending, self._ended])
+            if records.pop() is not None:
+                raise RunEnded(f"etcd store: waited for {keys} of a run that has ended (its keys are deleted)")
             pending = [k for k, record in zip(pending, records) if record is None]
             if not pending:
                 return

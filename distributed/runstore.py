@@ -13,6 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
+
+
+class RunEnded(dist.DistStoreError):
+    """A wait on a run that has ended and deleted its keys (``forget_run``): they will not come. What a process
+    that wakes after the end (continued once it hung) gets, instead of waiting out the store's timeout."""
+
 
 class RunStore:
     """The protocol (a plain base class: c10d's ``Store`` is a pybind class, whose metaclass an ABC's would clash

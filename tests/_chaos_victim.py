@@ -43,6 +43,7 @@ class Injector:
         self.tries, self.by = 0, ""
         self.fired = False
         self.where: list[str] = []  # the parts of the loop this worker is in, innermost last
+        self.rounds = lambda: 0  # rounds a syncer thread runs for the algorithm, in flight (set once it is known)
         self.step = -1
         self.membership = None  # (the worker's, once the loop runs: what an alarm rings)
         self.nth = plan.get("nth", 0)  # phase exchange: the collective of the step it lands in, from 0
@@ -97,7 +98,7 @@ class Injector:
             "phase": self.phase,
             "step": self.step,
             "where": list(self.where),
-            "in_flight": len(self.in_flight),
+            "in_flight": len(self.in_flight) + self.rounds(),
             "by": self.by,
             "time": time.time(),
         }
@@ -158,6 +159,7 @@ def install(plan: dict) -> Injector:
         if site is guard.Site.EPOCH_END:
             label = "epoch boundary"  # the epoch's evaluation and checkpoint, then the next one's start
         chaos.step, chaos.membership = self.host.run.step, self.failures.membership
+        chaos.rounds = lambda: _rounds(self.host)
         if part_phase is Phase.STEP:
             if 0 < chaos.collectives <= chaos.nth:  # fewer collectives in a step than planned: the last one
                 chaos.nth = chaos.collectives - 1

@@ -218,6 +218,8 @@ def test_decoupled_is_priced_at_the_median_pace_over_the_steps_it_computes():
     assert samples_share(waits, slow) == 1.0 and step_seconds(waits, slow) == pytest.approx(0.219)
     even = _cluster([0.073] * 4, 117e6)
     assert samples_share(decoupled, even) == 1.0 and step_seconds(decoupled, even) == step_seconds(streaming, even)
+    noisy = _cluster([0.073, 0.073 * 1.2, 0.073, 0.073], 117e6)  # (within the tolerance: every step computed)
+    assert samples_share(decoupled, noisy) == 1.0
 
 
 def test_bad_auto_settings_are_named():

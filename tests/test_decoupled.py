@@ -37,6 +37,15 @@ def test_everyone_on_time_is_streaming_diloco_step_for_step(tmp_path, mode):
     assert len(losses["diloco"]) == 8 and losses["decoupled"] == losses["diloco"]  # (every step: bit for bit)
     rounds = [r for r in records(metrics["decoupled"], "train") if "round_contributors" in r]
     assert rounds and all(r["round_contributors"] == 2 and r["computed_share"] == 1.0 for r in rounds)
+    # Goodput, by hand: steps that entered a round over those computed up to each fragment's latest round. With
+    # delay 1, step 2 (computed after round 0 was posted, before it was applied, which overwrote fragment 0 with the
+    # global one, as streaming DiLoCo does) never enters fragment 0: once round 2 (steps 3-5) is applied at step 6,
+    # 2 x (2 + 3) of fragment 0's 2 x 6 and 2 x 4 of fragment 1's 2 x 4: 18 of 20. Without delay, every step enters.
+    goodputs = [(r["step"], r["goodput"]) for r in records(metrics["decoupled"], "train") if "goodput" in r]
+    if mode == "streaming":
+        assert goodputs == [(2, 1.0), (3, 1.0), (4, 1.0), (5, 1.0), (6, 0.9), (7, 0.9)]
+    else:
+        assert goodputs and all(g == 1.0 for _, g in goodputs)
     assert all(r["skipped"] == 0 for r in records(metrics["decoupled"], "train"))
     a, b = (_load(tmp_path / name / "checkpoints" / "last.pt") for name in runs)
     assert a["step"] == b["step"] == 8

@@ -81,6 +81,28 @@ def test_a_run_that_ends_cleanly_leaves_no_key_in_the_cluster(cluster, tmp_path)
     assert probe.count_keys() == before  # (LocalCluster's own key; the run's are gone)
 
 
+def test_a_wait_on_a_run_that_has_ended_ends_at_once_instead_of_at_the_stores_timeout(cluster):
+    """A process that wakes after the run ended (continued once it hung, the others finished) finds its keys
+    deleted: its wait ends with RunEnded within a read, not the store's timeout; the recovery it was in turns that
+    into leaving the run with status 0 (LeftRun). Another run of the same cluster is not affected."""
+    import datetime
+    import time
+
+    from distributed.runstore import RunEnded
+
+    store, other = cluster.store("ended-run", timeout=datetime.timedelta(seconds=60)), cluster.store("other-run")
+    store.set("beat/0", "1")
+    other.set("beat/0", "1")
+    assert store.forget_run() >= 1
+    started = time.monotonic()
+    with pytest.raises(RunEnded, match="has ended"):
+        store.multi_get(["beat/0"])
+    with pytest.raises(RunEnded):
+        store.clone().wait(["beat/1"])
+    assert time.monotonic() - started < 10  # (the store's timeout is 60 s)
+    assert other.get("beat/0") == b"1"
+
+
 def test_the_store_has_tcpstores_semantics(cluster):
     s = EtcdStore.from_url(cluster.url, "semantics", datetime.timedelta(seconds=1))
     s.set("a", "x")
