@@ -78,6 +78,17 @@ SCENARIOS: dict[str, dict[str, Any]] = {
             "straggler.start_epoch={change}",
         ],  # fmt: skip
     },
+    # A node slow but useful: 1.75x, below relaxed sync's eviction threshold (2x), so that evicting it is not the way.
+    "mild": {
+        "label": "(f) 1 Gbit, one node 1.75x slower from epoch {slow}",
+        "rates": ["1gbit"],
+        "overrides": [
+            "straggler=sleep",
+            "straggler.ranks=[1]",
+            "straggler.slowdown=1.75",
+            "straggler.start_epoch={slow}",
+        ],  # fmt: skip
+    },
 }
 
 
@@ -138,7 +149,7 @@ def scenario_of(name: str, job: Job) -> dict[str, Any]:
 
 
 DEFAULT_SCENARIOS = ("fleet", "1gbit", "uneven")  # the table's; drop and slowed are for sync=auto (--repeats)
-UNEVEN = ("uneven", "slowed")  # the scenarios that also run the relaxed-sync cells
+UNEVEN = ("uneven", "slowed", "mild")  # the scenarios that also run the relaxed-sync cells
 # sync=auto reads the steps ratios from bench/tta's results: a copy of those there when the run starts (this run
 # rewrites the file as it goes).
 AUTO = "auto"
