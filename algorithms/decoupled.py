@@ -24,7 +24,7 @@ t + delay. What differs is who a round waits for:
 - **Catching up** (``catch_up``, DyLU as a rule of time): a learner whose median step is more than 25 % longer than
   the learners' median step skips a step's compute (its batch is dropped) whenever it is a whole step behind, so a
   learner k times slower computes one step in k and stays within a step of the others: it is never evicted and its
-  work counts, weighted by what it computed.
+  work counts, each step it computed as any other learner's.
 
 Goodput (``goodput`` in the records): the steps that entered the merged model over the steps computed up to each
 fragment's latest round (those since are in no round yet), from every learner's header. Below 1 by ``delay / H``
