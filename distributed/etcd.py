@@ -409,6 +409,11 @@ class EtcdStore(dist.Store, RunStore):
         finally:
             connection.close()
 
+    def begin_run(self) -> None:
+        """A run starts on this root: the end marker of an earlier one with the same root (its rendezvous id and
+        restart, within :data:`ENDED_TTL_S`) goes, so that this run's waits wait."""
+        self._call("kv/deleterange", {"key": _b64(self._ended)})
+
     def forget_run(self) -> int:
         """Delete every key of this store's run (its data, markers and boards), at the run's clean end: a run that
         ended leaves nothing in the cluster. Returns how many keys went."""

@@ -113,9 +113,11 @@ def init_distributed(backend: str, timeout_s: float, survive_failures: bool = Fa
     timeout = datetime.timedelta(seconds=timeout_s)
     if store:
         os.environ[STORE_ENV] = store
+        etcd = configured_store(timeout)
+        etcd.begin_run()  # (a rank starting: a run that ended on this root earlier is not this one)
         dist.init_process_group(
             backend=backend,
-            store=dist.PrefixStore("world", configured_store(timeout)),
+            store=dist.PrefixStore("world", etcd),
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
             timeout=timeout,

@@ -84,7 +84,8 @@ def test_a_run_that_ends_cleanly_leaves_no_key_in_the_cluster(cluster, tmp_path)
 def test_a_wait_on_a_run_that_has_ended_ends_at_once_instead_of_at_the_stores_timeout(cluster):
     """A process that wakes after the run ended (continued once it hung, the others finished) finds its keys
     deleted: its wait ends with RunEnded within a read, not the store's timeout; the recovery it was in turns that
-    into leaving the run with status 0 (LeftRun). Another run of the same cluster is not affected."""
+    into leaving the run with status 0 (LeftRun). Another run of the same cluster is not affected, nor a later run
+    on the same root (the same rendezvous id and restart), whose ranks take the marker away as they start."""
     import datetime
     import time
 
@@ -101,6 +102,11 @@ def test_a_wait_on_a_run_that_has_ended_ends_at_once_instead_of_at_the_stores_ti
         store.clone().wait(["beat/1"])
     assert time.monotonic() - started < 10  # (the store's timeout is 60 s)
     assert other.get("beat/0") == b"1"
+    # A later run on the same root (the same rendezvous id and restart) begins by taking the marker away: it waits.
+    again = cluster.store("ended-run", timeout=datetime.timedelta(seconds=60))
+    again.begin_run()
+    again.set("beat/0", "2")
+    assert again.multi_get(["beat/0"]) == [b"2"] and store.get("beat/0") == b"2"
 
 
 def test_the_store_has_tcpstores_semantics(cluster):
