@@ -58,7 +58,6 @@ from distributed import board, runstore
 from distributed.membership import Change, LeftRun, Membership
 from distributed.presence import ended
 from distributed.presence import silent as silent_ranks
-from distributed.runstore import RunEnded
 from distributed.transfer import recv_state, send_state
 from engine.elastic.heartbeat import BEAT_S, SILENT_S, WATCHED, Heartbeat
 from engine.elastic.positions import Position, left_behind
@@ -157,7 +156,7 @@ class Failures:
         lost while they agree (the caller agrees again, over who is left)."""
         try:
             recovery = self._recover(error, at)
-        except RunEnded:  # (this rank was away, hung, while the others finished and deleted the run's keys)
+        except runstore.RunEnded:  # (this rank was away, hung, while the others finished and deleted the run's keys)
             raise LeftRun(self.membership.rank, f"found the run ended after its failure at step {at.step}") from None
         except dist.DistError as store_error:
             if self._store_answers():  # a survivor went away during the agreement (a key it never wrote, the new
