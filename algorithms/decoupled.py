@@ -15,10 +15,10 @@ t + delay. What differs is who a round waits for:
   ``quorum_by=samples``); that learner then waits for the rest at most a grace window sized from the waits that
   brought everyone in lately (never more than ``grace_steps`` of the learners' median step). Every learner applies
   round r after step t + delay, as streaming DiLoCo does, so it waits at most for the quorum and the network.
-- **The merge** (:mod:`algorithms.quorum`) counts every sample the same (every rank's batch is the same size: a
-  step is its samples): the round's mean pseudo-gradient per sample, scaled to a round's, each contribution
-  discounted by ``late_decay`` per round it missed; a learner whose pseudo-gradient missed the round keeps its
-  progress (its fragment moves by the global step) and brings it to the next round of that fragment.
+- **The merge** (:mod:`algorithms.quorum`) is the mean of the pseudo-gradients weighted by the steps each holds
+  (every rank's batch is the same size: a step is its samples), each contribution discounted by ``late_decay`` per
+  round it missed; a learner whose pseudo-gradient missed the round keeps its progress (its fragment moves by the
+  global step) and brings it to the next round of that fragment.
   Every header travels with the round, so the merge is computed alike on every rank: the global fragments stay
   bit-identical, and with everyone on time the mode is streaming DiLoCo, step for step.
 - **Catching up** (``catch_up``, DyLU as a rule of time): a learner whose median step is more than 25 % longer than

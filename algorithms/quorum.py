@@ -8,20 +8,24 @@ they last took minus their own). Each learner sends, with its Δ_i, a :class:`He
 Δ_i was ready when the round closed), the samples its Δ_i holds (computed since its last contribution to f) and how
 many rounds of f closed without it since then (``missed``).
 
-**The merge: every sample counts the same.** A pseudo-gradient is a sum over the steps it holds, so a learner that
-computed fewer (one that skips steps to catch up) sends a shorter one. The merged pseudo-gradient is the round's
-mean per sample, scaled to a round's samples:
+**The merge: a weighted mean, by the steps each pseudo-gradient holds.**
 
-    Δ = Σ d_i Δ_i / Σ d_i (s_i / S),    d_i = decay ** missed_i (0 where learner i is not in the round)
+    Δ = Σ w_i Δ_i / Σ w_i,    w_i = d_i s_i / S,    d_i = decay ** missed_i (0 where learner i is not in the round)
 
-with s_i the samples Δ_i holds and S the round's span, the samples of a learner on time (the most any contributor
-that missed no round holds; the most any contributor holds where all missed one). A learner k times slower that
-computed S/k samples weighs 1/k in the denominator and brings Δ_i of about 1/k of a round: its samples count as
-everyone's, and the round moves as far as one of learners all on time. One late by a round brings the samples of
-two, discounted once. Where every learner contributes on time with the same samples, every d_i and s_i / S is
-exactly 1 and the merge is the plain sum over the learners divided by their count: streaming DiLoCo's average, to
-the bit. The outer optimizer then steps on Δ as streaming DiLoCo's does. BN statistics, states rather than sums,
-are merged as the mean weighted by d_i s_i.
+with s_i the steps Δ_i holds (every rank's batch is the same size: a step is its samples) and S the round's span,
+the steps of a learner on time (the most any contributor that missed no round holds; the most any contributor
+holds where all missed one). The merge is a convex combination of the pseudo-gradients: it never moves a round
+further than its learners did. A learner k times slower that computed S/k steps weighs 1/k. Where every learner
+contributes on time with the same steps, every w_i is exactly 1 and the merge is the plain sum over the learners
+divided by their count: streaming DiLoCo's average, to the bit. The outer optimizer then steps on Δ as streaming
+DiLoCo's does. BN statistics, states rather than sums, are merged with the same weights.
+
+Why not scale a short pseudo-gradient up to a round's (Σ d_i Δ_i / Σ w_i, every sample counted as if a
+pseudo-gradient grew with its steps): it does not. On bench/tta's first job, a learner 3x slower that computed a
+fifth of a round's steps sent a pseudo-gradient 0.85-0.97x the others' norm, cosine 0.96-0.99 with their mean (a
+fragment's local models settle within a few steps of high learning rate), so that rule moved every round about
+1.2x as far as any learner had, and (outer step: plain averaging) took 66, 84 and 88 steps to the target at three
+seeds where this one took 62, 74 and 68 (docs/benchmarks/tta.md).
 
 **A learner that missed the round** keeps its own progress: its fragment moves by the global step,
 ``θ_i,f += θ_f,new − θ_f,old``, so its pseudo-gradient in the next round of f is what it computed since it last
@@ -66,8 +70,8 @@ class Header:
 
 @dataclass(frozen=True)
 class Weights:
-    """A round's weights (:func:`weights`): ``parts``, what each learner's pseudo-gradient is multiplied by (d_i);
-    ``shares``, its samples over the round's span, discounted (d_i s_i / S), whose sum divides."""
+    """A round's weights (:func:`weights`): ``parts``, what each learner's pseudo-gradient is multiplied by, and
+    ``shares``, whose sum divides: both w_i = d_i s_i / S, its steps over the round's span, discounted."""
 
     parts: list[float]
     shares: list[float]
@@ -83,16 +87,16 @@ class Weights:
 
 
 def weights(headers: Sequence[Header], decay: float) -> Weights:
-    """The module docstring's ``d_i`` and ``d_i s_i / S`` for one round's ``headers`` (in rank order)."""
-    parts = [decay**h.missed if h.contributes else 0.0 for h in headers]
+    """The module docstring's ``w_i = d_i s_i / S`` for one round's ``headers`` (in rank order)."""
+    decays = [decay**h.missed if h.contributes else 0.0 for h in headers]
     on_time = [h.samples for h in headers if h.contributes and not h.missed]
     span = max(on_time or [h.samples for h in headers if h.contributes] or [0])
-    shares = [d * h.samples / span if d and span else 0.0 for d, h in zip(parts, headers)]
-    return Weights(parts, shares)
+    shares = [d * h.samples / span if d and span else 0.0 for d, h in zip(decays, headers)]
+    return Weights(shares, shares)
 
 
 def merge(parts: Sequence[torch.Tensor], w: Weights) -> torch.Tensor | None:
-    """The merged pseudo-gradient ``Σ d_i Δ_i / Σ d_i s_i / S`` of the learners' ``parts`` (in rank order, the same
+    """The merged pseudo-gradient ``Σ w_i Δ_i / Σ w_i`` of the learners' ``parts`` (in rank order, the same
     on every rank), or None where no one contributed samples. A part weighing 1 is added as it is."""
     total = w.total
     if total <= 0:

@@ -167,6 +167,7 @@ OPTIONS: dict[str, tuple[str, list[str]]] = {
     # Rounds that close on a quorum: streaming DiLoCo's settings (the first job's), and DiLoCo H=16 with plain
     # averaging (the second job's DiLoCo that reaches its target).
     "decoupled": ("decoupled DiLoCo", ["sync=decoupled"]),
+    "decoupled_streaming_avg": ("decoupled DiLoCo, averaging", ["sync=decoupled", *PLAIN_OUTER]),
     "decoupled_avg": (
         "decoupled DiLoCo H=16, averaging",
         ["sync=decoupled", "sync.inner_steps=16", "sync.fragments=1", "sync.delay=0", "sync.quantize=none"]
@@ -179,22 +180,25 @@ WARMED_UP = {"dgc": "sync", "relaxed_dgc": "sync.inner"}  # the cells that run D
 # The uneven scenario also runs these under relaxed sync: eviction composed with an exchange, evicting ranks slower
 # than RELAXED_THRESHOLD x the median.
 RELAXED_THRESHOLD = 2.0
+RELAXED_STREAMING = [
+    "sync=relaxed",
+    "sync@sync.inner=diloco",
+    "sync.measure=compute",
+    "sync.inner.inner_steps=32",
+    "sync.inner.fragments=4",
+    "sync.inner.delay=2",
+    "sync.inner.quantize=int8",
+]
 RELAXED: dict[str, tuple[str, list[str]]] = {
     "relaxed_allreduce": ("relaxed (compute) + allreduce", ["sync=relaxed", "sync.measure=compute"]),
     "relaxed_link_allreduce": ("relaxed (link) + allreduce", ["sync=relaxed", "sync.measure=link"]),
     "relaxed_dgc": ("relaxed (compute) + DGC", ["sync=relaxed", "sync@sync.inner=dgc", "sync.measure=compute"]),
-    "relaxed_streaming": (
-        "relaxed (compute) + streaming DiLoCo",
-        [
-            "sync=relaxed",
-            "sync@sync.inner=diloco",
-            "sync.measure=compute",
-            "sync.inner.inner_steps=32",
-            "sync.inner.fragments=4",
-            "sync.inner.delay=2",
-            "sync.inner.quantize=int8",
-        ],
-    ),  # fmt: skip
+    "relaxed_streaming": ("relaxed (compute) + streaming DiLoCo", RELAXED_STREAMING),
+    # (streaming DiLoCo's settings with plain averaging for the outer step, which never falls back on the first job)
+    "relaxed_streaming_avg": (
+        "relaxed (compute) + streaming DiLoCo, averaging",
+        [*RELAXED_STREAMING, "sync.inner.outer_lr=1.0", "sync.inner.outer_momentum=0.0"],
+    ),
     # (the second job's: DiLoCo H=16 with plain averaging for its outer step, the DiLoCo that reaches its target)
     "relaxed_diloco_avg": (
         "relaxed (compute) + DiLoCo H=16, averaging",

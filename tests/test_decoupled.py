@@ -68,8 +68,7 @@ def test_a_learner_late_for_a_round_counts_in_the_next_by_the_written_rule(tmp_p
     the quorum at step 10 without it, and it keeps its progress (carried); after the epoch's evaluation, which waits
     for everyone, it is on time and brings fragment 1's 16 steps, one round missed, to round 3. Every round, on every
     rank, is checked in float64 against the rule computed here from the logged pseudo-gradients and headers: the
-    pseudo-gradients times 0.25 ** missed, summed, over the sum of the shares (steps x 0.25 ** missed / the steps
-    of those on time), then Nesterov (lr 0.7, momentum 0.9), within float32's rounding."""
+    pseudo-gradients' mean weighted by their steps (steps x 0.25 ** missed / the steps of those on time), then Nesterov (lr 0.7, momentum 0.9), within float32's rounding."""
     from _decoupled import STALLED_RANK, stalled_once_logging_rounds
     from _rounding import EPS
 
@@ -80,7 +79,7 @@ def test_a_learner_late_for_a_round_counts_in_the_next_by_the_written_rule(tmp_p
     logs = [_load(tmp_path / "late" / f"rounds_rank{r}.pt") for r in range(3)]
     assert [[r["index"] for r in log["rounds"]] for log in logs] == [list(range(6))] * 3
     # By hand, per round: who was in, with how many steps (since its last contribution to the fragment, or the
-    # start), having missed how many rounds of the fragment since; each part d = 0.25 ** missed and share d x steps
+    # start), having missed how many rounds of the fragment since; each decay d = 0.25 ** missed and weight d x steps
     # over the round's span (the steps of those on time).
     expected = {
         0: ([1, 1, 1], [4, 4, 4], [0, 0, 0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]),  # fragment 0, steps 0-3
@@ -96,11 +95,11 @@ def test_a_learner_late_for_a_round_counts_in_the_next_by_the_written_rule(tmp_p
             assert other["headers"] == on[0]["headers"]
             assert all(torch.equal(other[k], on[0][k]) for k in ("old", "momentum", "new")), index
         contributes, steps, missed = ([h[i] for h in on[0]["headers"]] for i in range(3))
-        parts = [0.25**m if c else 0.0 for c, m in zip(contributes, missed)]
+        decays = [0.25**m if c else 0.0 for c, m in zip(contributes, missed)]
         span = max(s for c, s, m in zip(contributes, steps, missed) if c and not m)
-        shares = [d * s / span for d, s in zip(parts, steps)]
-        assert (contributes, steps, missed, parts, [pytest.approx(x) for x in shares]) == expected[index], index
-        merged = sum(d * r["delta"].double() for d, r in zip(parts, on) if d > 0) / sum(shares)
+        shares = [d * s / span for d, s in zip(decays, steps)]
+        assert (contributes, steps, missed, decays, [pytest.approx(x) for x in shares]) == expected[index], index
+        merged = sum(w * r["delta"].double() for w, r in zip(shares, on) if w > 0) / sum(shares)
         momentum = 0.9 * on[0]["momentum"].double() + merged
         update = 0.7 * (merged + 0.9 * momentum)
         theta = on[0]["old"].double() - update

@@ -17,46 +17,49 @@ def _header(samples: int, missed: int = 0, contributes: bool = True) -> Header:
     return Header(contributes, samples, missed, 0.1, 1000)
 
 
-def test_a_learner_late_by_a_round_brings_its_samples_discounted_once():
-    # Learners 0 and 1 on time with 64 samples each (the round's span S); learner 2 missed the last round of the
-    # fragment and brings 32 samples now. decay 0.5: parts 1, 1, 0.5; shares 1, 1, 0.5 x 32 / 64 = 0.25.
+def test_a_learner_late_by_a_round_brings_its_steps_discounted_once():
+    # Learners 0 and 1 on time with 64 steps each (the round's span S); learner 2 missed the last round of the
+    # fragment and brings 32 steps now. decay 0.5: weights 1, 1, 0.5 x 32 / 64 = 0.25.
     headers = [_header(64), _header(64), _header(32, missed=1)]
     w = weights(headers, 0.5)
-    assert (w.parts, w.shares, w.total) == ([1.0, 1.0, 0.5], [1.0, 1.0, 0.25], 2.25)
+    assert (w.parts, w.shares, w.total) == ([1.0, 1.0, 0.25], [1.0, 1.0, 0.25], 2.25)
     parts = [torch.tensor(v, dtype=F64) for v in ([0.5, 0.25], [0.25, -0.5], [1.0, 1.0])]
     merged = merge(parts, w)
-    # By hand: (0.5 + 0.25 + 0.5 x 1) / 2.25 = 5/9 and (0.25 - 0.5 + 0.5 x 1) / 2.25 = 1/9.
+    # By hand: (0.5 + 0.25 + 0.25 x 1) / 2.25 = 4/9 and (0.25 - 0.5 + 0.25 x 1) / 2.25 = 0.
     assert merged is not None and merged.dtype == F64
-    assert merged.tolist() == [pytest.approx(5 / 9, rel=1e-15, abs=0), pytest.approx(1 / 9, rel=1e-15, abs=0)]
+    assert merged.tolist() == [pytest.approx(4 / 9, rel=1e-15, abs=0), pytest.approx(0.0, abs=1e-16)]
     # The outer step on it (Nesterov, lr 0.7, momentum 0.9, from momentum 0.1, 0.2), by hand:
     theta, momentum = torch.tensor([1.0, -2.0], dtype=F64), torch.tensor([0.1, 0.2], dtype=F64)
     DiLoCo(outer_lr=0.7, outer_momentum=0.9)._outer_step(theta, momentum, merged)
-    m0, m1 = 0.9 * 0.1 + 5 / 9, 0.9 * 0.2 + 1 / 9
-    expected = [1.0 - 0.7 * (5 / 9 + 0.9 * m0), -2.0 - 0.7 * (1 / 9 + 0.9 * m1)]
+    m0, m1 = 0.9 * 0.1 + 4 / 9, 0.9 * 0.2
+    expected = [1.0 - 0.7 * (4 / 9 + 0.9 * m0), -2.0 - 0.7 * (0.0 + 0.9 * m1)]
     assert momentum.tolist() == [pytest.approx(m0, rel=1e-15), pytest.approx(m1, rel=1e-15)]
     assert theta.tolist() == [pytest.approx(expected[0], rel=1e-15), pytest.approx(expected[1], rel=1e-15)]
 
 
-def test_a_slow_learner_s_steps_count_as_the_others_and_the_round_moves_a_whole_round():
-    # Learner 2 computed a third of the round's 96 steps (it skipped to catch up): its pseudo-gradient, a sum over
-    # 32 steps, is added as it is and its share is 1/3. Every learner moved 1.0 per step in the same direction:
-    # the merge is 96 (a round's worth, 1.0 per step), where weighing the parts by their steps gave
-    # (96 + 96 + 32/3) / (7/3) = 86.9 and the plain mean 74.7.
+def test_a_slow_learner_weighs_by_its_steps_and_never_moves_a_round_further_than_its_learners():
+    # Learner 2 computed a third of the round's 96 steps (it skipped to catch up): it weighs 1/3.
     headers = [_header(96), _header(96), _header(32)]
     w = weights(headers, 0.5)
-    assert w.parts == [1.0, 1.0, 1.0] and w.shares == [1.0, 1.0, 32 / 96]
+    assert w.parts == w.shares == [1.0, 1.0, 32 / 96]
+    # Where its pseudo-gradient is as long as the others' (local models that settled within its steps, as measured
+    # on bench/tta), the merge is that length: a convex combination, where scaling it up to a round's samples gave
+    # (96 + 96 + 96) / (7/3) = 123.4.
+    same = [torch.tensor([96.0], dtype=F64)] * 3
+    assert merge(same, w).tolist() == [pytest.approx(96.0, rel=1e-15)]
+    # Where it grew with its steps (1.0 per step): (96 + 96 + 32/3) / (7/3) = 86.857..., between its 32 and 96.
     parts = [torch.tensor([96.0], dtype=F64), torch.tensor([96.0], dtype=F64), torch.tensor([32.0], dtype=F64)]
-    assert merge(parts, w).tolist() == [pytest.approx(96.0, rel=1e-15)]
-    # BN statistics, states rather than sums: the mean weighted by the shares, the heaviest's factor exactly 1.
+    assert merge(parts, w).tolist() == [pytest.approx((192 + 32 / 3) / (7 / 3), rel=1e-15)]
+    # BN statistics, states rather than sums: the mean weighted alike, the heaviest's factor exactly 1.
     assert w.buffer_factors() == [1.0, 1.0, 32 / 96]
 
 
 def test_where_every_contributor_missed_a_round_the_span_is_the_most_any_holds():
     headers = [_header(64, missed=1), _header(32, missed=1), _header(0, contributes=False)]
     w = weights(headers, 0.5)
-    assert (w.parts, w.shares) == ([0.5, 0.5, 0.0], [0.5, 0.25, 0.0])
+    assert (w.parts, w.shares) == ([0.5, 0.25, 0.0], [0.5, 0.25, 0.0])
     parts = [torch.tensor([4.0], dtype=F64), torch.tensor([2.0], dtype=F64), torch.tensor([1e9], dtype=F64)]
-    assert merge(parts, w).tolist() == [pytest.approx(3.0 / 0.75, rel=1e-15)]  # (0.5 x 4 + 0.5 x 2) / 0.75
+    assert merge(parts, w).tolist() == [pytest.approx(2.5 / 0.75, rel=1e-15)]  # (0.5 x 4 + 0.25 x 2) / 0.75
 
 
 def test_a_learner_not_in_the_round_adds_nothing_and_the_rest_average():
