@@ -68,7 +68,8 @@ def test_a_learner_late_for_a_round_counts_in_the_next_by_the_written_rule(tmp_p
     the quorum at step 10 without it, and it keeps its progress (carried); after the epoch's evaluation, which waits
     for everyone, it is on time and brings fragment 1's 16 steps, one round missed, to round 3. Every round, on every
     rank, is checked in float64 against the rule computed here from the logged pseudo-gradients and headers: the
-    pseudo-gradients' mean weighted by their steps (steps x 0.25 ** missed / the steps of those on time), then Nesterov (lr 0.7, momentum 0.9), within float32's rounding."""
+    pseudo-gradients' mean weighted by their steps (steps x 0.25 ** missed / the steps of those on time), then
+    Nesterov (lr 0.7, momentum 0.9), within float32's rounding."""
     from _decoupled import STALLED_RANK, stalled_once_logging_rounds
     from _rounding import EPS
 
