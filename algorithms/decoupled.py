@@ -48,7 +48,8 @@ import torch.distributed as dist
 from torch import nn
 
 from algorithms.base import SkipCompute, StepResult, SyncContext, SyncReport
-from algorithms.diloco import DiLoCo, dequantize_int8, fragment_due, quantize_int8
+from algorithms.compress import dequantize_int8, quantize_int8
+from algorithms.diloco import DiLoCo, fragment_due
 from algorithms.quorum import (
     QUORUM_BY,
     CatchUp,
@@ -64,6 +65,7 @@ from algorithms.quorum import (
 from distributed.membership import DEFAULT_TIMEOUT, Change
 from errors import is_number, require
 
+MERGED = ("none", "fp16", "int8")  # (what a round's weighted merge decodes)
 SLICE_S = 0.2  # (the learner waiting for a round's outcome looks at the alarm this often)
 STOP = b"stop"  # (a round closed with this ends the syncer)
 
@@ -115,6 +117,8 @@ class DecoupledDiLoCo(DiLoCo):
     @classmethod
     def validate(cls, section: dict[str, Any], cfg: dict[str, Any], world_size: int) -> None:
         super().validate(section, cfg, world_size)
+        q = section["quantize"]
+        require(q in MERGED, "sync.quantize", q, f"one of {', '.join(MERGED)} under sync=decoupled")
         q = section["quorum"]
         require(is_number(q) and 0 < q <= 1, "sync.quorum", q, "a share of the learners in (0, 1]")
         by = section["quorum_by"]

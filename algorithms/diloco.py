@@ -12,9 +12,16 @@ one part is synchronized every H/P steps on a staggered schedule, so the peak tr
 ``delay`` (tau < H/P): a part's exchange starts after step t and is applied after step t + tau, overlapped with
 the inner steps in between; ``alpha``: on apply, the part becomes alpha x local + (1 - alpha) x global (0, the
 default, takes the global); ``quantize``: the pseudo-gradients travel as ``fp16`` (an allreduce in half
-precision) or ``int8`` (blockwise min-max with one fp32 minimum and scale per block of ``quant_block``
-values, exchanged by allgather and averaged after dequantizing; the outer step itself stays fp32). Counted
-bytes are those of what actually travels (the quantized payload). Which part syncs when depends only on the
+precision), ``int8`` (blockwise min-max with one fp32 minimum and scale per block of ``quant_block`` values) or
+``fp4`` (4-bit floats with a scale per block), exchanged by allgather and averaged after decoding; the outer step
+itself stays fp32. Counted bytes are those of what actually travels (the payload).
+
+SparseLoCo (Sarfi et al., arXiv 2508.15706), ``quantize=sparse``: each rank keeps an error-feedback buffer e of
+its pseudo-gradients, ``e ← ef_decay · e + Δ``; it sends the ``density`` largest of each ``chunk`` of e, values
+in 2 bits with indices packed (:mod:`algorithms.compress`), and takes what it sent out of e. The ranks average
+what all sent (an allgather of the payloads, each decoded alike everywhere, summed in rank order) and the outer
+optimizer steps on it (the paper's variant without outer momentum: ``outer_lr=1 outer_momentum=0``). The
+buffer is each rank's own: checkpointed per rank, zero for a rank that joins. Which part syncs when depends only on the
 step, identically on every rank, so collectives always match, and a resumed run continues the same schedule.
 
 A CNN with BatchNorm is new ground for DiLoCo (it was shown on transformers). The choice here: BN running
@@ -34,36 +41,20 @@ import torch
 from torch import nn
 
 from algorithms.base import StepResult, SyncContext, SyncReport
+from algorithms.compress import (
+    CODECS,
+    ErrorFeedback,
+    TopK,
+    dequantize_fp4,
+    dequantize_int8,
+    quantize_fp4,
+    quantize_int8,
+)
 from algorithms.replicas import Replicas, segment_ranges
 from distributed.comm import Pending
 from errors import is_int, is_number, require
 
-QUANTIZE = ("none", "fp16", "int8")
-
-
-# ---- int8 blockwise min-max quantization ----------------------------------------------------------------------
-def quantize_int8(x: torch.Tensor, block: int) -> torch.Tensor:
-    """``x`` (1-D fp32) as one uint8 tensor: per block of ``block`` values one fp32 minimum and one fp32 scale
-    (8 bytes), then one byte per value, ``round((v - min) / scale)`` with ``scale = (max - min) / 255``. The
-    round trip is within half a scale step of ``x``."""
-    n = x.numel()
-    pad = (-n) % block  # the last block is filled up with its own last value, which widens no range
-    blocks = torch.cat([x, x[-1:].expand(pad)]).view(-1, block) if pad else x.view(-1, block)
-    low, high = blocks.min(dim=1).values, blocks.max(dim=1).values
-    scale = (high - low) / 255.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = ((blocks - low[:, None]) / safe[:, None]).round_().clamp_(0, 255).to(torch.uint8).view(-1)[:n]
-    header = torch.stack([low, scale], dim=1).contiguous().view(torch.uint8).view(-1)
-    return torch.cat([header, codes])
-
-
-def dequantize_int8(packed: torch.Tensor, n: int, block: int) -> torch.Tensor:
-    """The inverse of :func:`quantize_int8` for ``n`` values."""
-    num_blocks = math.ceil(n / block)
-    header = packed[: 8 * num_blocks].view(torch.float32).view(num_blocks, 2)
-    codes = packed[8 * num_blocks : 8 * num_blocks + n].float()
-    index = torch.arange(n, device=packed.device) // block
-    return header[index, 0] + codes * header[index, 1]
+QUANTIZE = CODECS
 
 
 def fragment_due(step: int, inner_steps: int, fragments: int) -> int | None:
@@ -101,11 +92,16 @@ class DiLoCo(Replicas):
         alpha: float = 0.0,
         quantize: str = "none",
         quant_block: int = 1024,
+        density: float = 0.02,
+        chunk: int = 4096,
+        ef_decay: float = 0.95,
         average_buffers: bool = True,
     ):
         self.inner_steps, self.fragments, self.delay = inner_steps, fragments, delay
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.alpha, self.quantize, self.quant_block = alpha, quantize, quant_block
+        self.density, self.chunk, self.ef_decay = density, chunk, ef_decay
+        self.feedback: ErrorFeedback | None = None  # (quantize=sparse: this rank's error-feedback buffer)
         self.average_buffers = average_buffers
         self._in_flight: deque[FragmentSync] = deque()
         self._agreed = False  # the model's parameters are the global ones (every rank's), no inner step since
@@ -134,7 +130,13 @@ class DiLoCo(Replicas):
         q = section["quantize"]
         require(q in QUANTIZE, "sync.quantize", q, f"one of {', '.join(QUANTIZE)}")
         b = section["quant_block"]
-        require(is_int(b) and b >= 1, "sync.quant_block", b, "an integer >= 1 (values per int8 scale)")
+        require(is_int(b) and b >= 1, "sync.quant_block", b, "an integer >= 1 (values per int8 or fp4 scale)")
+        k = section.get("density", 0.02)
+        require(is_number(k) and 0 < k <= 1, "sync.density", k, "a share of each chunk in (0, 1] (quantize=sparse)")
+        c = section.get("chunk", 4096)
+        require(is_int(c) and 2 <= c <= 2**16, "sync.chunk", c, "an integer in [2, 65536] (quantize=sparse)")
+        e = section.get("ef_decay", 0.95)
+        require(is_number(e) and 0 <= e <= 1, "sync.ef_decay", e, "a number in [0, 1] (quantize=sparse)")
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: SyncContext) -> None:
         super().setup(model, optimizer, ctx)
@@ -142,6 +144,9 @@ class DiLoCo(Replicas):
         # The outer parameters and momentum (fp32, the same on every rank: every rank starts from the same seed).
         self.global_params = self.flat_parameters().float()  # (a new tensor: torch.cat copies)
         self.momentum = torch.zeros_like(self.global_params)
+        if self.quantize == "sparse":
+            self.codecs = [TopK.of(hi - lo, self.chunk, self.density) for lo, hi in self.ranges]
+            self.feedback = ErrorFeedback(torch.zeros_like(self.global_params), self.ef_decay)
 
     def take_local_steps(self, agreed: list[torch.Tensor], since: int) -> bool:
         # The outer parameters are those the replicas agreed on: each fragment's next outer step averages every
@@ -203,6 +208,11 @@ class DiLoCo(Replicas):
                 return Pending(comm, [], delta)
         if self.quantize == "int8":
             return comm.all_gather_async(quantize_int8(delta, self.quant_block))
+        if self.quantize == "fp4":
+            return comm.all_gather_async(quantize_fp4(delta, self.quant_block))
+        if self.feedback is not None:
+            payload, _ = self.feedback.send(lo, hi, delta, self.codecs[fragment])
+            return comm.all_gather_async(payload)
         if self.quantize == "fp16":
             return comm.all_reduce_async(delta.half())
         return comm.all_reduce_async(delta)
@@ -216,14 +226,22 @@ class DiLoCo(Replicas):
         result, n = sync.pending.wait(), self.ctx.comm.size
         if result is None:
             return None
-        if self.quantize == "int8":
-            delta = sum(dequantize_int8(packed, hi - lo, self.quant_block) for packed in result) / n
+        if isinstance(result, list):  # (an allgather of payloads: each decoded, summed in rank order)
+            delta = sum(self._decode(payload, sync.fragment) for payload in result) / n
         else:
             delta = result.float() / n
         theta = self._outer_step(self.global_params[lo:hi], self.momentum[lo:hi], delta)
         local = self.read_range(lo, hi)
         self.write_range(lo, hi, local.mul_(self.alpha).add_(theta, alpha=1.0 - self.alpha) if self.alpha else theta)
         return float(delta.norm())
+
+    def _decode(self, payload: torch.Tensor, fragment: int) -> torch.Tensor:
+        lo, hi = self.ranges[fragment]
+        if self.quantize == "int8":
+            return dequantize_int8(payload, hi - lo, self.quant_block)
+        if self.quantize == "fp4":
+            return dequantize_fp4(payload, hi - lo, self.quant_block)
+        return self.codecs[fragment].decode(payload)
 
     def _outer_step(self, theta: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """The outer optimizer's step, in place on ``theta`` (returned) and ``momentum``, from the averaged
@@ -267,3 +285,11 @@ class DiLoCo(Replicas):
         shared = state["global_params"]
         self.global_params.copy_(self.flat_parameters() if shared is None else shared)
         self.momentum.copy_(state["momentum"])
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's own: its error-feedback buffer (``quantize=sparse``)."""
+        return {"error_feedback": self.feedback.buffer} if self.feedback is not None else {}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        if self.feedback is not None and "error_feedback" in state:
+            self.feedback.buffer.copy_(state["error_feedback"])

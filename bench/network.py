@@ -69,6 +69,16 @@ ALGORITHMS: dict[str, tuple[str, list[str]]] = {
         "streaming DiLoCo",
         ["sync=diloco", "sync.inner_steps=32", "sync.fragments=4", "sync.delay=2", "sync.quantize=int8"],
     ),
+    # The same schedule, sent as SparseLoCo sends it: the top 2 % of each chunk of 4,096 of an error-feedback
+    # buffer, 2-bit values and 12-bit indices (about 1/110 of int8's bytes).
+    "sparse": (
+        "SparseLoCo 2 %",
+        ["sync=diloco", "sync.inner_steps=32", "sync.fragments=4", "sync.delay=2", "sync.quantize=sparse"],
+    ),
+    "streaming_fp4": (
+        "streaming DiLoCo fp4",
+        ["sync=diloco", "sync.inner_steps=32", "sync.fragments=4", "sync.delay=2", "sync.quantize=fp4"],
+    ),
     "sgp": ("SGP", ["sync=sgp", "sync.consensus_every=1000000"]),
     "sgp_overlap": ("SGP overlap", ["sync=sgp", "sync.overlap=true", "sync.consensus_every=1000000"]),
     "crossover": ("crossover", ["sync=crossover", "sync.consensus_every=1000000"]),

@@ -164,6 +164,8 @@ OPTIONS: dict[str, tuple[str, list[str]]] = {
     **ALGORITHMS,
     "diloco_avg": ("DiLoCo H=16, averaging", [*ALGORITHMS["diloco"][1], *PLAIN_OUTER]),
     "streaming_avg": ("streaming DiLoCo, averaging", [*ALGORITHMS["streaming"][1], *PLAIN_OUTER]),
+    # SparseLoCo's own variant: no outer momentum (its error-feedback buffer carries what momentum would)
+    "sparse_avg": ("SparseLoCo 2 %, averaging", [*ALGORITHMS["sparse"][1], *PLAIN_OUTER]),
     # Rounds that close on a quorum: streaming DiLoCo's settings (the first job's), and DiLoCo H=16 with plain
     # averaging (the second job's DiLoCo that reaches its target).
     "decoupled": ("decoupled DiLoCo", ["sync=decoupled"]),

@@ -36,7 +36,12 @@ STATEFUL = {
 VARIANTS = {
     "sgp": [["overlap=true", "synch_freq=2"]],
     "crossover": [["overlap=true"]],
-    "diloco": [["inner_steps=4", "fragments=2", "delay=1", "quantize=int8"], ["quantize=fp16", "alpha=0.5"]],
+    "diloco": [
+        ["inner_steps=4", "fragments=2", "delay=1", "quantize=int8"],
+        ["quantize=fp16", "alpha=0.5"],
+        # (the error-feedback buffers, each rank's own, straddle the checkpoint; a joiner starts with an empty one)
+        ["inner_steps=4", "fragments=2", "delay=1", "quantize=sparse", "chunk=512", "ef_decay=0.9"],
+    ],
 }
 ALONE = [(o, []) for o in OPTIONS] + [(o, v) for o, variants in VARIANTS.items() for v in variants]
 CASES = [(None, o, v) for o, v in ALONE] + [

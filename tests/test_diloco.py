@@ -14,7 +14,8 @@ from _contract import case_dir
 from _rounding import EPS, each_config_checking_averages
 from conftest import FAST, records, train_each
 
-from algorithms.diloco import dequantize_int8, fragment_due, quantize_int8
+from algorithms.compress import dequantize_int8, quantize_int8
+from algorithms.diloco import fragment_due
 from algorithms.replicas import segment_ranges
 from engine.metrics import read_metrics
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from algorithms.compress import TopK, fp4_bytes
 from algorithms.quorum import CATCH_UP_TOLERANCE
 
 FLOAT_BYTES = 4  # what gradients and parameters travel as (fp32)
@@ -147,8 +148,17 @@ def traffic(section: Mapping[str, Any], shapes: Sequence[Sequence[int]]) -> Traf
             int(section.get("fragments", 1)),
         )
         quantize, params = str(section.get("quantize", "none")), sum(numels)
-        if quantize == "int8":  # (gathered: int8 does not sum; a fp32 minimum and scale per block)
-            packed = INT8_BYTES * params + 2 * FLOAT_BYTES * math.ceil(params / int(section.get("quant_block", 1024)))
+        block = int(section.get("quant_block", 1024))
+        if quantize in ("int8", "fp4", "sparse"):  # (gathered: codes do not sum)
+            if quantize == "int8":  # (a fp32 minimum and scale per block)
+                packed = INT8_BYTES * params + 2 * FLOAT_BYTES * math.ceil(params / block)
+            elif quantize == "fp4":
+                packed = fp4_bytes(params, block)
+            else:  # (the fragments as segment_ranges cuts them)
+                bounds = [round(i * params / fragments) for i in range(fragments + 1)]
+                sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+                chunk, density = int(section.get("chunk", 4096)), float(section.get("density", 0.02))
+                packed = sum(TopK.of(n, chunk, density).bytes for n in sizes)
             return Traffic(gather_bytes=packed / h, gathers=fragments / h, overlapped=delay > 0)
         width = 2 if quantize == "fp16" else FLOAT_BYTES
         return Traffic(ring_bytes=width * params / h, rings=fragments / h, overlapped=delay > 0)

@@ -1,0 +1,110 @@
+"""sync=diloco with quantize=sparse (SparseLoCo) and fp4: every round on every rank against the rule computed by
+hand in float64 from what was logged (the error-feedback fold, the top-k of each chunk and its two levels, what is
+taken out of the buffer, the average and the outer step), the replicas bit-identical after every round, and the
+bytes counted those of the payloads. (Resume, alone and inside relaxed sync, and a join: test_contract.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import timm
+import torch
+from _rounding import EPS
+from conftest import FAST, records, train_each
+
+from algorithms.compress import TopK, fp4_bytes
+from algorithms.diloco import fragment_due
+from algorithms.replicas import segment_ranges
+
+F64 = torch.float64
+SPARSE = ["sync=diloco", "sync.inner_steps=4", "sync.fragments=2", "sync.delay=1", "sync.quantize=sparse"]
+SPARSE += ["sync.density=0.05", "sync.chunk=512", "sync.ef_decay=0.9"]
+COMMON = [*FAST, "trainer.nproc=2", "optimizer=momentum", "trainer.max_steps=12", "trainer.checkpoint_every=0"]
+
+
+def _load(path):
+    return torch.load(path, weights_only=False)
+
+
+def _by_hand(folded: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
+    """The 2-level top-k of each chunk of ``folded`` (fp32 values), in float64: the k largest magnitudes, the larger
+    half sent at their mean magnitude and the smaller at theirs, each with its sign; 0 elsewhere."""
+    out = torch.zeros(folded.numel(), dtype=F64)
+    for start in range(0, folded.numel(), chunk):
+        values = folded[start : start + chunk].double()
+        order = sorted(range(values.numel()), key=lambda i: -abs(float(values[i])))[:k]
+        upper = (k + 1) // 2
+        high = sum(abs(float(values[i])) for i in order[:upper]) / upper
+        low = sum(abs(float(values[i])) for i in order[upper:]) / (k - upper) if k > upper else high
+        for rank, i in enumerate(order):
+            out[start + i] = math.copysign(high if rank < upper else low, float(values[i]))
+    return out
+
+
+def test_every_sparse_round_follows_the_rule_by_hand_and_replicas_stay_bit_identical(tmp_path):
+    """2 ranks, H=4 in 2 fragments (a round every 2 steps, applied a step later), 5 % of each chunk of 512, β 0.9,
+    outer Nesterov (lr 0.7, momentum 0.9): 6 rounds. Per round and rank: the buffer's fold β e + Δ (float64 against
+    the fp32 fold, within its rounding); the payload decodes to the fold's top-k with its two levels (by hand, in
+    float64, from the fp32 fold: the selection is exact); the buffer keeps the fold minus what was sent; the new
+    global fragment is the outer step on the two ranks' decoded average; every rank's global fragment and its own
+    fragment after the round are the same bits."""
+    from _sparse import logging_sparse_rounds
+
+    train_each(tmp_path, {"sparse": [*COMMON, *SPARSE]}, logging_sparse_rounds)
+    logs = [_load(tmp_path / "sparse" / f"sparse_rank{r}.pt") for r in range(2)]
+    assert [len(log["sends"]) for log in logs] == [6, 6] and [len(log["applies"]) for log in logs] == [6, 6]
+    for index in range(6):
+        sent = []
+        for log in logs:
+            s = log["sends"][index]
+            n = s["delta"].numel()
+            codec = TopK.of(n, 512, 0.05)
+            folded = s["before"] * 0.9 + s["delta"]  # (the fp32 fold, as the buffer computes it)
+            exact = 0.9 * s["before"].double() + s["delta"].double()
+            assert float((folded.double() - exact).abs().max()) <= 2 * EPS * float(exact.abs().max()), index
+            hand = _by_hand(folded, 512, codec.k)
+            assert float((s["sent"].double() - hand).abs().max()) <= 4 * EPS * float(hand.abs().max()), index
+            assert torch.equal(codec.decode(s["payload"]), s["sent"])  # (what every receiver decodes)
+            assert torch.equal(s["after"], folded - s["sent"]), index  # what was not sent stays
+            assert int((s["sent"] != 0).sum()) <= codec.k * codec.chunks
+            sent.append(hand)
+        applies = [log["applies"][index] for log in logs]
+        for other in applies[1:]:  # (bit-identical replicas: the same global fragment, the same own fragment)
+            assert all(torch.equal(other[k], applies[0][k]) for k in ("old", "momentum", "new", "momentum_after"))
+            assert torch.equal(other["local"], applies[0]["local"]), index
+        a = applies[0]
+        assert torch.equal(a["local"], a["new"])  # (alpha 0: the rank takes the global fragment)
+        average = (sent[0] + sent[1]) / 2
+        momentum = 0.9 * a["momentum"].double() + average
+        theta = a["old"].double() - 0.7 * (average + 0.9 * momentum)
+        bound = 64 * EPS * max(float(a["old"].abs().max()), float(momentum.abs().max()))
+        assert float((a["new"].double() - theta).abs().max()) <= bound, index
+        assert float((a["momentum_after"].double() - momentum).abs().max()) <= bound, index
+
+
+@pytest.mark.parametrize("quantize", ["sparse", "fp4"])
+def test_the_bytes_counted_are_the_payloads(tmp_path, quantize):
+    """A fragment every 2 steps, gathered (2 ranks: each sends its payload once); BN statistics averaged once per
+    outer step (a ring allreduce of 2 sends them once)."""
+    overrides = [*COMMON, *SPARSE[:4], f"sync.quantize={quantize}", "sync.chunk=512", "trainer.max_steps=8"]
+    metrics = train_each(tmp_path, {quantize: overrides})[quantize]
+    model = timm.create_model("test_resnet", num_classes=10)
+    fragments = [hi - lo for _, lo, hi in segment_ranges(model, 2)]
+    buffers = sum(b.numel() * 4 for b in model.buffers() if b.is_floating_point())
+    steps = records(metrics, "train")
+    assert len(steps) == 8
+    for r in steps:
+        fragment = fragment_due(r["step"], 4, 2)
+        if fragment is None:
+            expected = 0
+        elif quantize == "sparse":
+            expected = TopK.of(fragments[fragment], 512, 0.02).bytes
+        else:
+            expected = fp4_bytes(fragments[fragment], 1024)
+        expected += buffers if (r["step"] + 1) % 4 == 0 else 0
+        assert r["bytes_sent"] == expected, r["step"]
+    dense = 4 * sum(fragments)
+    assert sum(r["bytes_sent"] - (buffers if (r["step"] + 1) % 4 == 0 else 0) for r in steps) < (
+        dense / 30 if quantize == "sparse" else dense / 3
+    )
