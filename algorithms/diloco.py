@@ -32,7 +32,6 @@ outer parameters and momentum are the same on every rank and are checkpointed on
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any

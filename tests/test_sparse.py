@@ -13,7 +13,7 @@ import torch
 from _rounding import EPS
 from conftest import FAST, records, train_each
 
-from algorithms.compress import TopK, fp4_bytes
+from algorithms.compress import TopK, fp4_bytes, unpack_bits
 from algorithms.diloco import fragment_due
 from algorithms.replicas import segment_ranges
 
@@ -27,26 +27,36 @@ def _load(path):
     return torch.load(path, weights_only=False)
 
 
-def _by_hand(folded: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
-    """The 2-level top-k of each chunk of ``folded`` (fp32 values), in float64: the k largest magnitudes, the larger
-    half sent at their mean magnitude and the smaller at theirs, each with its sign; 0 elsewhere."""
-    out = torch.zeros(folded.numel(), dtype=F64)
-    for start in range(0, folded.numel(), chunk):
-        values = folded[start : start + chunk].double()
-        order = sorted(range(values.numel()), key=lambda i: -abs(float(values[i])))[:k]
-        upper = (k + 1) // 2
-        high = sum(abs(float(values[i])) for i in order[:upper]) / upper
-        low = sum(abs(float(values[i])) for i in order[upper:]) / (k - upper) if k > upper else high
-        for rank, i in enumerate(order):
-            out[start + i] = math.copysign(high if rank < upper else low, float(values[i]))
-    return out
+def _by_hand(folded: torch.Tensor, payload: torch.Tensor, codec: TopK) -> torch.Tensor:
+    """What ``payload`` must decode to, in float64, from the fp32 fold it was made of: in each chunk the payload
+    names k distinct values none smaller in magnitude than any left out, and marks as larger the (k + 1) // 2 of
+    them none smaller than the rest (which of equal magnitudes is free: this job's fp32 pseudo-gradients tie);
+    each is sent with its sign at the mean magnitude of its half."""
+    chunks, k, upper = codec.chunks, codec.k, (codec.k + 1) // 2
+    at, width = 8 * chunks, -(-chunks * k * codec.index_bits // 8)
+    indices = unpack_bits(payload[at : at + width], codec.index_bits, chunks * k).view(chunks, k).tolist()
+    larger = (unpack_bits(payload[at + width :], 2, chunks * k) & 1).view(chunks, k).tolist()
+    padded = torch.cat([folded.double(), torch.zeros((-folded.numel()) % codec.chunk, dtype=F64)])
+    out = torch.zeros(padded.numel(), dtype=F64)
+    for c in range(chunks):
+        values = padded[c * codec.chunk : (c + 1) * codec.chunk]
+        chosen = indices[c]
+        assert len(set(chosen)) == k
+        left = [abs(float(v)) for i, v in enumerate(values) if i not in set(chosen)]
+        high = [abs(float(values[i])) for i, h in zip(chosen, larger[c]) if h]
+        low = [abs(float(values[i])) for i, h in zip(chosen, larger[c]) if not h]
+        assert len(high) == upper and min(high) >= max(low or [0.0]) and min(low or high) >= max(left or [0.0])
+        levels = (sum(low) / len(low) if low else sum(high) / upper, sum(high) / upper)
+        for i, h in zip(chosen, larger[c]):
+            out[c * codec.chunk + i] = math.copysign(levels[h], float(values[i]))
+    return out[: folded.numel()]
 
 
 def test_every_sparse_round_follows_the_rule_by_hand_and_replicas_stay_bit_identical(tmp_path):
     """2 ranks, H=4 in 2 fragments (a round every 2 steps, applied a step later), 5 % of each chunk of 512, β 0.9,
     outer Nesterov (lr 0.7, momentum 0.9): 6 rounds. Per round and rank: the buffer's fold β e + Δ (float64 against
-    the fp32 fold, within its rounding); the payload decodes to the fold's top-k with its two levels (by hand, in
-    float64, from the fp32 fold: the selection is exact); the buffer keeps the fold minus what was sent; the new
+    the fp32 fold, within its rounding); the payload decodes to a top-k of the fold with its two levels (by hand, in
+    float64: ``_by_hand``); the buffer keeps the fold minus what was sent; the new
     global fragment is the outer step on the two ranks' decoded average; every rank's global fragment and its own
     fragment after the round are the same bits."""
     from _sparse import logging_sparse_rounds
@@ -63,7 +73,7 @@ def test_every_sparse_round_follows_the_rule_by_hand_and_replicas_stay_bit_ident
             folded = s["before"] * 0.9 + s["delta"]  # (the fp32 fold, as the buffer computes it)
             exact = 0.9 * s["before"].double() + s["delta"].double()
             assert float((folded.double() - exact).abs().max()) <= 2 * EPS * float(exact.abs().max()), index
-            hand = _by_hand(folded, 512, codec.k)
+            hand = _by_hand(folded, s["payload"], codec)
             assert float((s["sent"].double() - hand).abs().max()) <= 4 * EPS * float(hand.abs().max()), index
             assert torch.equal(codec.decode(s["payload"]), s["sent"])  # (what every receiver decodes)
             assert torch.equal(s["after"], folded - s["sent"]), index  # what was not sent stays
