@@ -286,9 +286,11 @@ class DiLoCo(Replicas):
         self.momentum.copy_(state["momentum"])
 
     def local_state_dict(self) -> dict[str, Any]:
-        """This rank's own: its error-feedback buffer (``quantize=sparse``)."""
-        return {"error_feedback": self.feedback.buffer} if self.feedback is not None else {}
+        """This rank's own: its inner optimizer's state and its error-feedback buffer (``quantize=sparse``)."""
+        own = super().local_state_dict()
+        return {**own, "error_feedback": self.feedback.buffer} if self.feedback is not None else own
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_local_state_dict(state)
         if self.feedback is not None and "error_feedback" in state:
             self.feedback.buffer.copy_(state["error_feedback"])
