@@ -26,8 +26,9 @@ def stalled_once_logging_rounds(cfg: dict, run_dir: str) -> None:
 
 
 def _run(cfg: dict, run_dir: str) -> None:
+    from _workers import fit_saving
+
     import algorithms.decoupled as decoupled
-    from engine.loop import Trainer
 
     rounds, carries = [], []
     exchange, carry, after = decoupled.Syncer.exchange, decoupled.carry, decoupled.DecoupledDiLoCo.after_optimizer_step
@@ -66,10 +67,7 @@ def _run(cfg: dict, run_dir: str) -> None:
     decoupled.DecoupledDiLoCo.after_optimizer_step = stalling
     decoupled.Grace.window = lambda self, group_s: WINDOW_S
     try:
-        trainer = Trainer(cfg, run_dir)
-        trainer.fit()
-        trainer.recorder.close()
-        torch.save({"rounds": rounds, "carries": carries}, os.path.join(run_dir, f"rounds_rank{trainer.rank}.pt"))
+        fit_saving(cfg, run_dir, "rounds", {"rounds": rounds, "carries": carries})
     finally:
         decoupled.Syncer.exchange, decoupled.carry = exchange, carry
         decoupled.DecoupledDiLoCo.after_optimizer_step, decoupled.Grace.window = after, window

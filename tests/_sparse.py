@@ -3,9 +3,6 @@ logged on every rank, for the test to compute the rule by hand."""
 
 from __future__ import annotations
 
-import os
-
-import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 
@@ -21,9 +18,10 @@ def logging_sparse_rounds(cfg: dict, run_dir: str) -> None:
 
 
 def _run(cfg: dict, run_dir: str) -> None:
+    from _workers import fit_saving
+
     import algorithms.diloco as diloco
     from algorithms.compress import ErrorFeedback
-    from engine.loop import Trainer
 
     sends, applies = [], []
     send, apply = ErrorFeedback.send, diloco.DiLoCo._apply
@@ -48,9 +46,6 @@ def _run(cfg: dict, run_dir: str) -> None:
 
     ErrorFeedback.send, diloco.DiLoCo._apply = logged_send, logged_apply
     try:
-        trainer = Trainer(cfg, run_dir)
-        trainer.fit()
-        trainer.recorder.close()
-        torch.save({"sends": sends, "applies": applies}, os.path.join(run_dir, f"sparse_rank{trainer.rank}.pt"))
+        fit_saving(cfg, run_dir, "sparse", {"sends": sends, "applies": applies})
     finally:
         ErrorFeedback.send, diloco.DiLoCo._apply = send, apply

@@ -26,13 +26,22 @@ def _all_params(trainer) -> list:
     return everyone
 
 
-def _fit_here(cfg: dict, run_dir: str) -> None:
-    """A whole run in this worker process, leaving its process group up for the next one."""
+def _fit_here(cfg: dict, run_dir: str) -> int:
+    """A whole run in this worker process, leaving its process group up for the next one; returns its rank."""
     from engine.loop import Trainer
 
     trainer = Trainer(cfg, run_dir)
     trainer.fit()
     trainer.recorder.close()
+    return trainer.rank
+
+
+def fit_saving(cfg: dict, run_dir: str, stem: str, log: dict) -> None:
+    """:func:`_fit_here`, then ``log`` (filled while it ran) saved to ``<run_dir>/<stem>_rank<r>.pt``."""
+    import torch
+
+    rank = _fit_here(cfg, run_dir)
+    torch.save(log, os.path.join(run_dir, f"{stem}_rank{rank}.pt"))
 
 
 def _each(run_dir: str, run) -> None:

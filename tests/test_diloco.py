@@ -14,7 +14,7 @@ from _contract import case_dir
 from _rounding import EPS, each_config_checking_averages
 from conftest import FAST, records, train_each
 
-from algorithms.compress import dequantize_int8, quantize_int8
+from algorithms.compress import TopK, dequantize_int8, fp4_bytes, quantize_int8
 from algorithms.diloco import fragment_due
 from algorithms.replicas import segment_ranges
 from engine.metrics import read_metrics
@@ -80,18 +80,39 @@ def test_streaming_bytes_are_the_int8_fragments(contract_runs):
     own); BN statistics averaged once per outer step."""
     case = (None, "diloco", ["inner_steps=4", "fragments=2", "delay=1", "quantize=int8"])
     metrics = read_metrics(str(case_dir(contract_runs, case) / "full" / "metrics.jsonl"))
-    model = timm.create_model("test_resnet", num_classes=10)
-    fragments = [hi - lo for _, lo, hi in segment_ranges(model, 2)]
-    buffers = sum(b.numel() * 4 for b in model.buffers() if b.is_floating_point())
-    steps = records(metrics, "train")
-    assert len(steps) == 6
-    for r in steps:
+    sent = _assert_fragments_sent(metrics, 6, lambda n: 8 * math.ceil(n / 1024) + n)
+    assert sent < 6 * 4 * _PARAMS / 8  # vs allreduce every step
+
+
+@pytest.mark.parametrize("quantize", ["sparse", "fp4"])
+def test_fp4_and_sparse_bytes_are_their_payloads(tmp_path, quantize):
+    """The same schedule with 4-bit floats (a fp32 scale per 1024 values, two values a byte) and with SparseLoCo's
+    top 2 % of each chunk of 512 (two fp32 levels per chunk, 9-bit indices, 2-bit values)."""
+    common = [*FAST, "optimizer=momentum", "trainer.max_steps=8", "trainer.checkpoint_every=0", "sync=diloco"]
+    settings = ["sync.inner_steps=4", "sync.fragments=2", "sync.delay=1", f"sync.quantize={quantize}", "sync.chunk=512"]
+    metrics = train_each(tmp_path, {quantize: [*common, *settings]})[quantize]
+    payload = (lambda n: TopK.of(n, 512, 0.02).bytes) if quantize == "sparse" else (lambda n: fp4_bytes(n, 1024))
+    sent = _assert_fragments_sent(metrics, 8, payload)
+    assert sent < 8 * 4 * _PARAMS / (4 * 30 if quantize == "sparse" else 4 * 3)  # (a fragment a round, of 2)
+
+
+_MODEL = timm.create_model("test_resnet", num_classes=10)
+_PARAMS = sum(p.numel() for p in _MODEL.parameters())
+
+
+def _assert_fragments_sent(metrics: list[dict], steps: int, payload) -> float:
+    """Every step's bytes are its fragment's ``payload(numel)`` (gathered by 2 ranks: each sends its own once) and,
+    once per outer step, the BN statistics (a ring allreduce of 2 sends them once); returns the fragments' bytes."""
+    fragments = [hi - lo for _, lo, hi in segment_ranges(_MODEL, 2)]
+    buffers = sum(b.numel() * 4 for b in _MODEL.buffers() if b.is_floating_point())
+    train = records(metrics, "train")
+    assert len(train) == steps
+    for r in train:
         fragment = fragment_due(r["step"], 4, 2)
-        expected = 0 if fragment is None else 8 * math.ceil(fragments[fragment] / 1024) + fragments[fragment]
-        expected += buffers if (r["step"] + 1) % 4 == 0 else 0  # ring allreduce of 2 sends S
+        expected = 0 if fragment is None else payload(fragments[fragment])
+        expected += buffers if (r["step"] + 1) % 4 == 0 else 0
         assert r["bytes_sent"] == expected, r["step"]
-    dense = 4 * sum(p.numel() for p in model.parameters())
-    assert sum(r["bytes_sent"] for r in steps) < 6 * dense / 8  # vs allreduce every step
+    return sum(r["bytes_sent"] - (buffers if (r["step"] + 1) % 4 == 0 else 0) for r in train)
 
 
 def test_right_after_a_whole_outer_step_the_replicas_agree_without_another_exchange():
