@@ -101,6 +101,7 @@ class DiLoCo(Replicas):
         self.alpha, self.quantize, self.quant_block = alpha, quantize, quant_block
         self.density, self.chunk, self.ef_decay = density, chunk, ef_decay
         self.feedback: ErrorFeedback | None = None  # (quantize=sparse: this rank's error-feedback buffer)
+        self._unsent: dict[int, torch.Tensor] = {}  # (its fragments' buffers before the rounds in flight)
         self.average_buffers = average_buffers
         self._in_flight: deque[FragmentSync] = deque()
         self._agreed = False  # the model's parameters are the global ones (every rank's), no inner step since
@@ -210,8 +211,7 @@ class DiLoCo(Replicas):
         if self.quantize == "fp4":
             return comm.all_gather_async(quantize_fp4(delta, self.quant_block))
         if self.feedback is not None:
-            payload, _ = self.feedback.send(lo, hi, delta, self.codecs[fragment])
-            return comm.all_gather_async(payload)
+            return comm.all_gather_async(self._send_sparse(fragment, delta))
         if self.quantize == "fp16":
             return comm.all_reduce_async(delta.half())
         return comm.all_reduce_async(delta)
@@ -223,7 +223,10 @@ class DiLoCo(Replicas):
         the survivors, brings the replicas together again."""
         lo, hi = self.ranges[sync.fragment]
         result, n = sync.pending.wait(), self.ctx.comm.size
+        unsent = self._unsent.pop(sync.fragment, None)
         if result is None:
+            if unsent is not None:  # (what it took out of its buffer went nowhere: back, as before the round)
+                self.feedback.buffer[lo:hi] = unsent
             return None
         if isinstance(result, list):  # (an allgather of payloads: each decoded, summed in rank order)
             delta = sum(self._decode(payload, sync.fragment) for payload in result) / n
@@ -233,6 +236,14 @@ class DiLoCo(Replicas):
         local = self.read_range(lo, hi)
         self.write_range(lo, hi, local.mul_(self.alpha).add_(theta, alpha=1.0 - self.alpha) if self.alpha else theta)
         return float(delta.norm())
+
+    def _send_sparse(self, fragment: int, delta: torch.Tensor) -> torch.Tensor:
+        """Fold ``delta`` into the buffer and take out the payload; the buffer as it was is kept until the round
+        lands (a round dropped with its group gives it back)."""
+        lo, hi = self.ranges[fragment]
+        self._unsent[fragment] = self.feedback.buffer[lo:hi].clone()
+        payload, _ = self.feedback.send(lo, hi, delta, self.codecs[fragment])
+        return payload
 
     def _decode(self, payload: torch.Tensor, fragment: int) -> torch.Tensor:
         lo, hi = self.ranges[fragment]

@@ -89,6 +89,22 @@ def test_diloco_a_dropped_fragment_takes_no_outer_step():
     assert torch.equal(diloco.momentum, momentum)
 
 
+def test_sparse_diloco_a_dropped_round_gives_its_error_feedback_back():
+    """What a rank took out of its error-feedback buffer for a round that was dropped went nowhere: the buffer is
+    as before the round, and the fragment keeps its progress (its next pseudo-gradient holds it again)."""
+    ctx, model = _context(), _model()
+    diloco = DiLoCo(inner_steps=4, fragments=2, delay=1, quantize="sparse", density=0.5, chunk=4)
+    diloco.setup(model, None, ctx)
+    diloco.feedback.buffer.copy_(torch.linspace(-1.0, 1.0, diloco.feedback.buffer.numel()))
+    before = diloco.feedback.buffer.clone()
+    lo, hi = diloco.ranges[0]
+    payload = diloco._send_sparse(0, torch.full((hi - lo,), 0.25))
+    assert payload.numel() == diloco.codecs[0].bytes and not torch.equal(diloco.feedback.buffer, before)
+    local = _flat(model).clone()
+    assert diloco._apply(FragmentSync(2, 0, _issued_then_replaced(ctx))) is None
+    assert torch.equal(diloco.feedback.buffer, before) and torch.equal(_flat(model), local)
+
+
 def test_a_round_whose_exchange_fails_stays_in_flight_to_be_dropped_after_the_regroup():
     """The exchange of a due round raises (a peer is gone): the round is still in flight when the survivors redo
     the part on their new group, where it is dropped, giving this rank's shares back."""
