@@ -13,6 +13,7 @@ from conftest import FAST, compose_cfg, load_model_state, records, train, train_
 
 from algorithms.auto import DATA, AutoSync
 from algorithms.auto.model import Measured, decide, kept, read_step_ratios, step_ratios, traffic
+from algorithms.compress import TopK
 from errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +66,13 @@ def test_traffic_is_what_the_runs_counted():
     params = sum(math.prod(s) for s in shapes)
     assert streaming.ring_bytes == 0 and streaming.overlapped
     assert streaming.gather_bytes * 32 == params + 8 * math.ceil(params / 1024)
+    # SparseLoCo: the same schedule, each fragment's payload (segment_ranges' 4 cuts) as compress.TopK sizes it
+    # (under 0.95 % of fp32's bytes: 0.92 % a whole chunk, and each fragment's last chunk is partial)
+    sparse = traffic(candidates["sparse"], shapes)
+    bounds = [round(i * params / 4) for i in range(5)]
+    payloads = sum(TopK.of(b - a, 4096, 0.02).bytes for a, b in zip(bounds, bounds[1:]))
+    assert sparse.ring_bytes == 0 and sparse.overlapped and sparse.gather_bytes * 32 == payloads
+    assert payloads < 0.0095 * 4 * params and traffic(candidates["sparse_avg"], shapes) == sparse
 
 
 def test_step_ratios_are_read_from_the_recorded_results(tmp_path):
