@@ -520,8 +520,8 @@ class Syncer(threading.Thread):
 
     def _merge(self, delta: torch.Tensor | None, w: Weights, n: int) -> torch.Tensor | None:
         """The merged pseudo-gradient, exchanged as streaming DiLoCo exchanges it (``quantize``), weighted by ``w``
-        (this rank sends its pseudo-gradient times its part, nothing where 0; the sum is divided by ``w.total``)."""
-        owner, total, mine = self.owner, w.total, w.parts[self._index()]
+        (this rank sends its pseudo-gradient times its weight, nothing where 0; the sum is divided by ``w.total``)."""
+        owner, total, mine = self.owner, w.total, w.shares[self._index()]
         if total <= 0:
             return None
         own = delta if delta is not None and mine > 0 else torch.zeros(n, device=self.device)

@@ -70,10 +70,9 @@ class Header:
 
 @dataclass(frozen=True)
 class Weights:
-    """A round's weights (:func:`weights`): ``parts``, what each learner's pseudo-gradient is multiplied by, and
-    ``shares``, whose sum divides: both w_i = d_i s_i / S, its steps over the round's span, discounted."""
+    """A round's weights (:func:`weights`): ``shares``, each learner's w_i = d_i s_i / S (its steps over the
+    round's span, discounted), what its pseudo-gradient is multiplied by; their sum divides."""
 
-    parts: list[float]
     shares: list[float]
 
     @property
@@ -92,7 +91,7 @@ def weights(headers: Sequence[Header], decay: float) -> Weights:
     on_time = [h.samples for h in headers if h.contributes and not h.missed]
     span = max(on_time or [h.samples for h in headers if h.contributes] or [0])
     shares = [d * h.samples / span if d and span else 0.0 for d, h in zip(decays, headers)]
-    return Weights(shares, shares)
+    return Weights(shares)
 
 
 def merge(parts: Sequence[torch.Tensor], w: Weights) -> torch.Tensor | None:
@@ -101,7 +100,7 @@ def merge(parts: Sequence[torch.Tensor], w: Weights) -> torch.Tensor | None:
     total = w.total
     if total <= 0:
         return None
-    summed = sum(p if d == 1.0 else p * d for p, d in zip(parts, w.parts) if d > 0)
+    summed = sum(p if d == 1.0 else p * d for p, d in zip(parts, w.shares) if d > 0)
     return summed / total
 
 

@@ -22,7 +22,7 @@ def test_a_learner_late_by_a_round_brings_its_steps_discounted_once():
     # fragment and brings 32 steps now. decay 0.5: weights 1, 1, 0.5 x 32 / 64 = 0.25.
     headers = [_header(64), _header(64), _header(32, missed=1)]
     w = weights(headers, 0.5)
-    assert (w.parts, w.shares, w.total) == ([1.0, 1.0, 0.25], [1.0, 1.0, 0.25], 2.25)
+    assert (w.shares, w.total) == ([1.0, 1.0, 0.25], 2.25)
     parts = [torch.tensor(v, dtype=F64) for v in ([0.5, 0.25], [0.25, -0.5], [1.0, 1.0])]
     merged = merge(parts, w)
     # By hand: (0.5 + 0.25 + 0.25 x 1) / 2.25 = 4/9 and (0.25 - 0.5 + 0.25 x 1) / 2.25 = 0.
@@ -41,7 +41,7 @@ def test_a_slow_learner_weighs_by_its_steps_and_never_moves_a_round_further_than
     # Learner 2 computed a third of the round's 96 steps (it skipped to catch up): it weighs 1/3.
     headers = [_header(96), _header(96), _header(32)]
     w = weights(headers, 0.5)
-    assert w.parts == w.shares == [1.0, 1.0, 32 / 96]
+    assert w.shares == [1.0, 1.0, 32 / 96]
     # Where its pseudo-gradient is as long as the others' (local models that settled within its steps, as measured
     # on bench/tta), the merge is that length: a convex combination, where scaling it up to a round's samples gave
     # (96 + 96 + 96) / (7/3) = 123.4.
@@ -57,14 +57,14 @@ def test_a_slow_learner_weighs_by_its_steps_and_never_moves_a_round_further_than
 def test_where_every_contributor_missed_a_round_the_span_is_the_most_any_holds():
     headers = [_header(64, missed=1), _header(32, missed=1), _header(0, contributes=False)]
     w = weights(headers, 0.5)
-    assert (w.parts, w.shares) == ([0.5, 0.25, 0.0], [0.5, 0.25, 0.0])
+    assert w.shares == [0.5, 0.25, 0.0]
     parts = [torch.tensor([4.0], dtype=F64), torch.tensor([2.0], dtype=F64), torch.tensor([1e9], dtype=F64)]
     assert merge(parts, w).tolist() == [pytest.approx(2.5 / 0.75, rel=1e-15)]  # (0.5 x 4 + 0.25 x 2) / 0.75
 
 
 def test_a_learner_not_in_the_round_adds_nothing_and_the_rest_average():
     headers = [_header(64), _header(0, contributes=False), _header(64)]
-    assert weights(headers, 0.5) == Weights([1.0, 0.0, 1.0], [1.0, 0.0, 1.0])
+    assert weights(headers, 0.5) == Weights([1.0, 0.0, 1.0])
     parts = [torch.tensor([2.0], dtype=F64), torch.tensor([1e9], dtype=F64), torch.tensor([4.0], dtype=F64)]
     assert merge(parts, weights(headers, 0.5)).tolist() == [3.0]
     assert merge(parts, weights([_header(64, contributes=False)] * 3, 0.5)) is None  # (no one: no outer step)
