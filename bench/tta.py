@@ -383,7 +383,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     shaped = scenario
                 of = f" ({attempt} of {args.repeats})" if args.repeats > 1 else ""
                 print(f"[{time.strftime('%H:%M:%S')}] {scenario:>7}  {name}{of}", flush=True)
-                row = {"job": args.job, "scenario": scenario, "algorithm": key, "name": name, "nodes": args.nodes,
+                row = {"job": args.job, "run": args.name, "scenario": scenario, "algorithm": key, "name": name,
+                       "nodes": args.nodes,
                        "target": args.target,
                        "procs_per_node": args.procs, "scope": key.partition("@")[2] or "process"}  # fmt: skip
                 if args.repeats > 1:

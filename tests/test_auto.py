@@ -90,6 +90,12 @@ def test_step_ratios_are_read_from_the_recorded_results(tmp_path):
         *({"scenario": "d", "algorithm": "x", "reached": True, "steps": n} for n in (60, 90, 300)),
     ]
     assert step_ratios(repeated) == {"allreduce": 1.0, "x": 90 / 65}
+    # Another bench run's scenario "d" (another CPU's seeds) sets its options against its own allreduce only.
+    later = [
+        {"run": "later", "scenario": "d", "algorithm": "allreduce", "reached": True, "steps": 80},
+        {"run": "later", "scenario": "d", "algorithm": "y", "reached": True, "steps": 120},
+    ]
+    assert step_ratios([*repeated, *later]) == {"allreduce": 1.0, "x": 90 / 65, "y": 1.5}
     # The project's own: what bench/tta recorded at 5 seeds (bench/results/tta_ratios.md), the median steps of each.
     ratios = read_step_ratios(DATA)
     assert ratios["localsgd16"] == 70 / 68 and ratios["streaming"] == 72 / 68 and ratios["diloco"] == 110 / 68

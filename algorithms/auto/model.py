@@ -246,13 +246,16 @@ def step_seconds(section: Mapping[str, Any], measured: Measured) -> float:
 # ---- the data: steps to the target, relative to allreduce --------------------------------------------------------
 def step_ratios(records: Iterable[Mapping[str, Any]], baseline: str = "allreduce") -> dict[str, float]:
     """From bench/tta's records (one per run: ``scenario``, ``algorithm``, ``reached``, ``steps``): each option's
-    steps to the target over ``baseline``'s in the same scenario, the median over the scenarios where both reached
-    it (the baseline's own: 1.0). Options that never reached it where the baseline did are left out. Repeated runs
-    of an option in a scenario (``--repeats``) count as their median steps."""
-    runs: dict[str, dict[str, list[int]]] = {}
+    steps to the target over ``baseline``'s in the same scenario of the same bench run (``run``, where recorded: a
+    seed's steps differ between CPUs, so an option is only ever set against the baseline that ran beside it), the
+    median over the scenarios where both reached it (the baseline's own: 1.0). Options that never reached it where
+    the baseline did are left out. Repeated runs of an option in a scenario (``--repeats``) count as their median
+    steps."""
+    runs: dict[tuple[str, str], dict[str, list[int]]] = {}
     for r in records:
         if r.get("reached") and r.get("steps"):
-            runs.setdefault(str(r["scenario"]), {}).setdefault(str(r["algorithm"]), []).append(int(r["steps"]))
+            where = (str(r.get("run", "")), str(r["scenario"]))
+            runs.setdefault(where, {}).setdefault(str(r["algorithm"]), []).append(int(r["steps"]))
     steps = {scenario: {o: statistics.median(n) for o, n in by.items()} for scenario, by in runs.items()}
     ratios: dict[str, list[float]] = {}
     for by_option in steps.values():
