@@ -2,6 +2,7 @@
 
     python -m bench.diloco [--nprocs 2,4] [--epochs 10,20] [--periods 8,16,32,64] [--out diloco.json]
     python -m bench.diloco --scopes [--seeds 0,1,2] [--epochs 10]     # sync.scope=node against process
+    python -m bench.diloco --compare sparse,sparse_avg --nprocs 4 --epochs 20 [--seeds 0,1,2]  # ways of sending
 
 For each world size (same seed, epochs and per-process batch for every algorithm): allreduce; DiLoCo (outer
 Nesterov SGD, lr 0.7, momentum 0.9) at every period H; Streaming DiLoCo (H=32 in 4 fragments, delay 2, int8);
@@ -13,6 +14,10 @@ The default epochs, 10 at 2 processes and 20 at 4, give both world sizes the sam
 period H is counted in steps, so at 4 processes and 10 epochs a run would have only 7 outer steps at H=32, too
 few for the outer momentum to matter (bench/results/diloco.json records that run: streaming DiLoCo 3 points
 behind). Results: bench/results/<out>; read in docs/benchmarks/diloco.md.
+
+``--compare``: streaming DiLoCo's schedule with each way of sending its pseudo-gradients (:data:`COMPARE_RUNS`:
+int8, fp4, SparseLoCo with and without the outer Nesterov step) beside allreduce, at every seed (a seed's runs side
+by side), each run's final top-1 against allreduce's at the same seed (bench/results/diloco_compare.json).
 
 ``--scopes``: DiLoCo (H=16) and local SGD (k=16) on 2 emulated nodes of 2 processes (``trainer.local_nodes=2``), at
 ``sync.scope=node`` (2 replicas, each node's processes agreeing every step) and at ``sync.scope=process`` (4
@@ -40,6 +45,18 @@ def summarize(metrics: list[dict]) -> dict:
     }
 
 
+STREAMING = ["sync=diloco", "sync.inner_steps=32", "sync.fragments=4", "sync.delay=2"]
+PLAIN_OUTER = ["sync.outer_lr=1.0", "sync.outer_momentum=0.0"]
+# ``--compare``'s runs: streaming DiLoCo's schedule with each way of sending its pseudo-gradients
+COMPARE_RUNS = {
+    "allreduce": ["sync=allreduce"],
+    "streaming": [*STREAMING, "sync.quantize=int8"],
+    "streaming_fp4": [*STREAMING, "sync.quantize=fp4"],
+    "sparse": [*STREAMING, "sync.quantize=sparse"],
+    "sparse_avg": [*STREAMING, "sync.quantize=sparse", *PLAIN_OUTER],
+    "sparse5": [*STREAMING, "sync.quantize=sparse", "sync.density=0.05"],
+}
+
 SCOPE_RUNS = {
     "DiLoCo H=16": ["sync=diloco", "sync.inner_steps=16"],
     "local SGD k=16": ["sync=localsgd", "sync.begin_step=0", "sync.k_steps=16"],
@@ -62,6 +79,36 @@ def scopes(seeds: list[int], epochs: int, batch_size: int, model: str) -> dict:
                 row = {**summarize(metrics), "seed": seed, "eval_top1": [r["top1"] for r in evals]}
                 results.setdefault(name, {}).setdefault(scope, []).append(row)
     return results
+
+
+def compare(keys: list[str], seeds: list[int], nproc: int, epochs: int, batch_size: int, model: str) -> dict:
+    """Each of ``keys`` (:data:`COMPARE_RUNS`) at every seed, a seed's runs side by side: {key: {seed: summary}}."""
+    results: dict[str, dict[str, dict]] = {}
+    for seed in seeds:
+        for key in keys:
+            print(f"running: {key}, seed {seed}", flush=True)
+            metrics = run([
+                f"model={model}", "data=digits", f"data.batch_size={batch_size}", f"trainer.nproc={nproc}",
+                f"trainer.epochs={epochs}", f"trainer.seed={seed}", *COMPARE_RUNS[key],
+            ])  # fmt: skip
+            results.setdefault(key, {})[str(seed)] = summarize(metrics)
+    return results
+
+
+def compare_table(results: dict) -> str:
+    """Final top-1 seed by seed, and the mean of each run's difference from allreduce at the same seed."""
+    seeds = list(results["allreduce"])
+    head = f"| sync | {' | '.join(f'seed {s}' for s in seeds)} | mean vs allreduce | bytes/step |"
+    lines = [head, "|" + "---|" * (len(seeds) + 3)]
+    for key, by_seed in results.items():
+        top1 = [by_seed[s]["top1"] for s in seeds if s in by_seed]
+        diff = [by_seed[s]["top1"] - results["allreduce"][s]["top1"] for s in seeds if s in by_seed]
+        mean = sum(top1) / len(top1) if key == "allreduce" else sum(diff) / len(diff)
+        per_step = sum(r["bytes_per_step"] for r in by_seed.values()) / len(by_seed)
+        cells = " | ".join(f"{by_seed[s]['top1']:.2f}" if s in by_seed else "" for s in seeds)
+        shown = f"({mean:.2f})" if key == "allreduce" else f"{mean:+.2f}"
+        lines.append(f"| {key} | {cells} | {shown} | {per_step / 1e6:.4f} MB |")
+    return "\n".join(lines)
 
 
 def scope_table(results: dict) -> str:
@@ -89,8 +136,34 @@ def main() -> None:
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--out", default="diloco.json", help="file name under bench/results")
     parser.add_argument("--scopes", action="store_true", help="node against process scope (2 nodes x 2 processes)")
-    parser.add_argument("--seeds", default="0,1,2", help="--scopes: comma-separated trainer.seed values")
+    parser.add_argument("--seeds", default="0,1,2", help="--scopes, --compare: comma-separated trainer.seed values")
+    parser.add_argument(
+        "--compare",
+        metavar="RUNS",
+        help=f"only these runs (comma-separated: {', '.join(COMPARE_RUNS)}; allreduce always) at every seed, at the "
+        "first of --nprocs and --epochs",
+    )
     args = parser.parse_args()
+    if args.compare:
+        keys = ["allreduce", *(k for k in args.compare.split(",") if k != "allreduce")]
+        if unknown := [k for k in keys if k not in COMPARE_RUNS]:
+            parser.error(f"--compare: unknown run {', '.join(unknown)} (allowed: {', '.join(COMPARE_RUNS)})")
+        seeds, nproc, epochs = (
+            [int(s) for s in args.seeds.split(",")],
+            int(args.nprocs.split(",")[0]),
+            int(args.epochs.split(",")[0]),
+        )
+        results = compare(keys, seeds, nproc, epochs, args.batch_size, args.model)
+        out = "diloco_compare.json" if args.out == "diloco.json" else args.out
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / out).write_text(json.dumps({
+            "benchmark": "diloco-compare",
+            "command": f"python -m bench.diloco --compare {args.compare} --seeds {args.seeds} --nprocs {nproc} "
+                       f"--epochs {epochs} --batch-size {args.batch_size} --model {args.model} --out {out}",
+            "nproc": nproc, "epochs": epochs, "machine": machine(), "results": results,
+        }, indent=1) + "\n")  # fmt: skip
+        print(compare_table(results))
+        return
     if args.scopes:
         seeds, epochs = [int(s) for s in args.seeds.split(",")], int(args.epochs.split(",")[0])
         results = scopes(seeds, epochs, args.batch_size, args.model)
@@ -111,7 +184,7 @@ def main() -> None:
     if len(epochs) != len(nprocs):
         parser.error(f"--epochs {args.epochs}: one value, or one per world size of --nprocs {args.nprocs}")
     periods = [int(h) for h in args.periods.split(",")]
-    streaming = ["sync=diloco", "sync.inner_steps=32", "sync.fragments=4", "sync.delay=2", "sync.quantize=int8"]
+    streaming = COMPARE_RUNS["streaming"]
     runs: dict[str, list[str]] = {"allreduce": ["sync=allreduce"]}
     runs.update({f"DiLoCo H={h}": ["sync=diloco", f"sync.inner_steps={h}"] for h in periods})
     runs["streaming DiLoCo H=32 P=4 int8"] = streaming
