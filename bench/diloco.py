@@ -127,6 +127,14 @@ def scope_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def write(benchmark: str, out: str, command: str, args: argparse.Namespace, fields: dict) -> None:
+    """bench/results/``out``: the benchmark's name, the command that ran it, the machine and ``fields``."""
+    command = f"python -m bench.diloco {command} --batch-size {args.batch_size} --model {args.model} --out {out}"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    record = {"benchmark": benchmark, "command": command, **fields, "machine": machine()}
+    (RESULTS / out).write_text(json.dumps(record, indent=1) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nprocs", default="2,4", help="comma-separated world sizes")
@@ -155,26 +163,16 @@ def main() -> None:
         )
         results = compare(keys, seeds, nproc, epochs, args.batch_size, args.model)
         out = "diloco_compare.json" if args.out == "diloco.json" else args.out
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / out).write_text(json.dumps({
-            "benchmark": "diloco-compare",
-            "command": f"python -m bench.diloco --compare {args.compare} --seeds {args.seeds} --nprocs {nproc} "
-                       f"--epochs {epochs} --batch-size {args.batch_size} --model {args.model} --out {out}",
-            "nproc": nproc, "epochs": epochs, "machine": machine(), "results": results,
-        }, indent=1) + "\n")  # fmt: skip
+        command = f"--compare {args.compare} --seeds {args.seeds} --nprocs {nproc} --epochs {epochs}"
+        write("diloco-compare", out, command, args, {"nproc": nproc, "epochs": epochs, "results": results})
         print(compare_table(results))
         return
     if args.scopes:
         seeds, epochs = [int(s) for s in args.seeds.split(",")], int(args.epochs.split(",")[0])
         results = scopes(seeds, epochs, args.batch_size, args.model)
         out = "diloco_scope.json" if args.out == "diloco.json" else args.out
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / out).write_text(json.dumps({
-            "benchmark": "diloco-scope",
-            "command": f"python -m bench.diloco --scopes --seeds {args.seeds} --epochs {epochs} "
-                       f"--batch-size {args.batch_size} --model {args.model}",
-            "nodes": 2, "procs_per_node": 2, "epochs": epochs, "machine": machine(), "results": results,
-        }, indent=1) + "\n")  # fmt: skip
+        fields = {"nodes": 2, "procs_per_node": 2, "epochs": epochs, "results": results}
+        write("diloco-scope", out, f"--scopes --seeds {args.seeds} --epochs {epochs}", args, fields)
         print(scope_table(results))
         return
     nprocs = [int(n) for n in args.nprocs.split(",")]
