@@ -31,6 +31,7 @@ import argparse
 import json
 
 from bench.common import RESULTS, machine, median, run, train_records
+from bench.tta import OPTIONS
 
 
 def summarize(metrics: list[dict]) -> dict:
@@ -45,17 +46,9 @@ def summarize(metrics: list[dict]) -> dict:
     }
 
 
-STREAMING = ["sync=diloco", "sync.inner_steps=32", "sync.fragments=4", "sync.delay=2"]
-PLAIN_OUTER = ["sync.outer_lr=1.0", "sync.outer_momentum=0.0"]
-# ``--compare``'s runs: streaming DiLoCo's schedule with each way of sending its pseudo-gradients
-COMPARE_RUNS = {
-    "allreduce": ["sync=allreduce"],
-    "streaming": [*STREAMING, "sync.quantize=int8"],
-    "streaming_fp4": [*STREAMING, "sync.quantize=fp4"],
-    "sparse": [*STREAMING, "sync.quantize=sparse"],
-    "sparse_avg": [*STREAMING, "sync.quantize=sparse", *PLAIN_OUTER],
-    "sparse5": [*STREAMING, "sync.quantize=sparse", "sync.density=0.05"],
-}
+# ``--compare``'s runs, as bench/tta runs them: streaming DiLoCo's schedule with each way of sending its
+# pseudo-gradients (int8, fp4, SparseLoCo with the outer Nesterov step and with plain averaging)
+COMPARE_RUNS = {key: OPTIONS[key][1] for key in ("allreduce", "streaming", "streaming_fp4", "sparse", "sparse_avg")}
 
 SCOPE_RUNS = {
     "DiLoCo H=16": ["sync=diloco", "sync.inner_steps=16"],

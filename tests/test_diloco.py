@@ -20,6 +20,8 @@ from algorithms.replicas import segment_ranges
 from engine.metrics import read_metrics
 
 FAST = [*FAST, "trainer.nproc=2"]
+_MODEL = timm.create_model("test_resnet", num_classes=10)
+_PARAMS = sum(p.numel() for p in _MODEL.parameters())
 
 
 @pytest.mark.parametrize("n,block", [(1, 4), (1000, 64), (4097, 1024), (300, 300)])
@@ -93,11 +95,7 @@ def test_fp4_and_sparse_bytes_are_their_payloads(tmp_path, quantize):
     metrics = train_each(tmp_path, {quantize: [*common, *settings]})[quantize]
     payload = (lambda n: TopK.of(n, 512, 0.02).bytes) if quantize == "sparse" else (lambda n: fp4_bytes(n, 1024))
     sent = _assert_fragments_sent(metrics, 8, payload)
-    assert sent < 8 * 4 * _PARAMS / (4 * 30 if quantize == "sparse" else 4 * 3)  # (a fragment a round, of 2)
-
-
-_MODEL = timm.create_model("test_resnet", num_classes=10)
-_PARAMS = sum(p.numel() for p in _MODEL.parameters())
+    assert sent < 4 * _PARAMS / (30 if quantize == "sparse" else 3)  # (a fragment a round, of 2)
 
 
 def _assert_fragments_sent(metrics: list[dict], steps: int, payload) -> float:
