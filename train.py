@@ -129,6 +129,24 @@ def slurm_worker_main(argv: list[str]) -> None:
     slurm_worker(plain, launched_run_dir(plain, argv, os.environ["SLURM_PROCID"]))
 
 
+def end_now() -> None:
+    """End a process whose run went well as a local worker ends (multiprocessing's ``os._exit`` after its exit
+    functions): the other threads are waited for, the ``atexit`` functions run (logging's, W&B's, the fork server's
+    stop) and the streams are flushed; the interpreter's teardown of torch's thousands of modules is not, about
+    1.5 s on 2 cores that every ``python train.py``, and every worker torchrun or srun started, spent after its last
+    line. What the run wrote is closed by then (``Trainer.close``, Hydra's logs by logging's exit function)."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     from engine.launchers import catch_early_signals, slurm_task, under_external_launcher
 
@@ -147,3 +165,4 @@ if __name__ == "__main__":
 
         start_worker_server()  # imports torch and the engine for the workers while this process validates
         main()
+    end_now()  # (an error's way out, SystemExit or an exception, ends as Python does)
