@@ -262,7 +262,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--skip", type=int, default=10)
     p.add_argument("--model", default="resnet50")
     p.add_argument("--compile", action="store_true", help="model.compile=true on both sides")
-    p.add_argument("--images", type=int, default=2048, help="training files of the real images (0: no such part)")
+    p.add_argument(
+        "--images", type=int, help="training files of the real images (default 2048, 48 under --smoke; 0: no such part)"
+    )
     p.add_argument("--real-decodes", default="gpu,cpu", help="data.decode values train.py runs on the real images")
     p.add_argument("--agree-batches", type=int, default=200, help="batches of the GPU/CPU decode agreement")
     p.add_argument("--faults", action=argparse.BooleanOptionalAction, default=True)
@@ -278,7 +280,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     device = "cpu" if a.smoke or not torch.cuda.is_available() else "cuda"
     if a.smoke:
-        a.batch, a.steps, a.skip, a.model, a.images, a.agree_batches = 8, 6, 2, "test_resnet", 48, 2
+        a.batch, a.steps, a.skip, a.model, a.agree_batches = 8, 6, 2, "test_resnet", 2
+    if a.images is None:
+        a.images = 48 if a.smoke else 2048
     size, classes = (32, 10) if a.smoke else (224, 1000)
     env = environment(device)
     dtype = None if device == "cpu" else ("bfloat16" if env["bf16"] else "float16")
@@ -300,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.parent.mkdir(parents=True, exist_ok=True)
     nan = float("nan")
-    result.update(plain_img_s=nan, ours_img_s=nan, ratio=nan, loader_img_s=nan, loader_workers=0, recovery_s=[])
+    result.update(plain_img_s=nan, ours_img_s=nan, ratio=nan, loader_img_s=None, loader_workers=0, recovery_s=[])
     result.update(synthetic_img_s=nan, real_img_s=None, real_cpu_img_s=None, real_ratio=None, decode_img_s=None)
     result["real"] = {}
     result.update(ours_step_s=nan, ours_data_s=nan, ours_compute_s=nan, ours_comm_s=nan, faults={}, errors={})

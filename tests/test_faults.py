@@ -752,8 +752,13 @@ def test_a_survivor_one_collective_behind_is_healed_from_the_front_and_the_run_g
     assert "take rank 1's state" in (run_dir / "train.log").read_text()
 
 
+# (~20 s each, in make test-full; make test: the heal from the front in the step case above, and DGC's own part of it
+# in test_dgc, a rank healed in the sparse exchange going on bit for bit as without the failure)
 DGC_HEAL = {
-    "relaxed-wrapped": ["sync=relaxed", "sync@sync.inner=dgc", "sync.inner._target_=tests._partial.PartialDGC"],
+    "relaxed-wrapped": pytest.param(
+        ["sync=relaxed", "sync@sync.inner=dgc", "sync.inner._target_=tests._partial.PartialDGC"],
+        marks=pytest.mark.full,
+    ),
     "alone": pytest.param(["sync=dgc", "sync._target_=tests._partial.PartialDGC"], marks=pytest.mark.full),
 }
 

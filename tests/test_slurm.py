@@ -342,6 +342,9 @@ def test_a_task_killed_under_srun_is_survived_by_the_others_with_on_failure_cont
     assert f"task {victim}: Killed" in output and output.count("Traceback") == 0, output[-3000:]
 
 
+@pytest.mark.full  # ~25 s (two jobs of two fresh workers); make test: the sbatch job of srun tasks that form one
+# world (the requeue test above), a sweep's jobs and comparison table (test_train's multirun), a sweep point's task
+# checked against its job's world (below)
 def test_a_multirun_sends_each_sweep_point_to_slurm_as_a_job_of_its_workers(slurm, tmp_path):
     """``train.py -m hydra/launcher=slurm sync=allreduce,localsgd``: two Slurm jobs (hydra-submitit-launcher), each
     of ``trainer.nproc`` tasks that form its world, and the sweep's comparison table of both."""
