@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import sys
 import time
 from functools import partial
 from typing import Any
@@ -31,8 +30,8 @@ from engine.elastic.positions import Phase, Site
 from engine.ending import close, finish, finished_already
 from engine.evaluate import Evaluation, Evaluator, reached_target
 from engine.metrics import NoLogger, Recorder, progress_bar
-from engine.optim import build_replica, build_schedule, rehearse
-from engine.reports import carry_out
+from engine.optim import build_replica, rehearse
+from engine.reports import carry_out, report_skipped, resize
 from engine.scope import build_sync
 from engine.state import LoopState, RunState, load_replica, load_trainer_state, trainer_state
 from engine.stop import StopRequest
@@ -122,28 +121,8 @@ class Trainer:
             self.recorder.start(self.membership.hosts, self.run.epoch + 1, self.step, resumed)
 
     def resize(self, change: Resize) -> None:
-        """Go on as a run resumed from ``change.state`` (a checkpoint's) at the membership's new size, with this rank's
-        own algorithm state (a joiner's starts fresh). The admission is followed by this, not on_membership_change."""
-        state, m = change.state, self.membership
-        if change.replica:
-            load_replica(self, state, change.partial_model)
-        self.rank = self.checkpointer.rank = m.rank
-        self.run.resume(state, len(self.data.train), m.size, self.batch_size)
-        self.schedule = build_schedule(self.cfg, len(self.data.train), m.size)
-        if self.sync is not None:
-            self.sync.finalize()  # (settled at the admission: what it runs on its own ends, sync=decoupled's syncer)
-        self.sync = None  # (the old algorithm's hooks on the model, DDP's, go with it before the new one's)
-        self.sync = build_sync(self.cfg["sync"], m)
-        self.sync.setup(self.raw_model, self.optimizer, self.context(replicas_agree=True))
-        if "sync" in state:  # (a joiner may take a late shared state later: complete())
-            self.sync.load_state_dict(state["sync"])
-        if change.own is not None:
-            self.sync.load_local_state_dict(change.own)
-        self.loaders.build(m.size, m.index)
-        self.loop = LoopState(epochs_this_run=self.loop.epochs_this_run)
-        self.changes.take()
-        self.awaiting = change.rest
-        self.recorder.elect()
+        """Go on as a run resumed from ``change.state`` at the membership's new size (``engine/reports.py``)."""
+        resize(self, change)
 
     def joined_at(self, step: int) -> None:
         self.run.step = step  # a joiner is where the members are: at the admission step (before its state comes)
@@ -257,18 +236,8 @@ class Trainer:
         self.apply(report, epoch)
         self.recorder.write(record, self.step)
         self.run.stepped(self.batch_size * self.loaders.train.sampler.num_replicas)
-        self.report_skipped(epoch)
+        report_skipped(self, epoch)
         return record
-
-    def report_skipped(self, epoch: int) -> None:
-        """A ``file_skipped`` event for each image file the loaders skipped since the last report (this rank's;
-        ``data.on_bad_file=skip``), its line on this rank's console whichever rank logs."""
-        for path, why in self.loaders.take_skipped():
-            message = f"relaxsync: rank {self.rank} skipped {path}: {why} (data.on_bad_file=skip)"
-            event = {"event": "file_skipped", "path": path, "why": why, "rank": self.rank, "message": message}
-            self.recorder.event(event, epoch, self.step)
-            if not self.membership.is_logging_rank:
-                print(message, file=sys.stderr, flush=True)
 
     def _compute(self, x: torch.Tensor, y: torch.Tensor, epoch: int, data_s: float):
         """The step up to and including the optimizer step: (report, StepResult, seconds slept by the straggler)."""
@@ -311,7 +280,7 @@ class Trainer:
     def evaluate(self, epoch: int, on_the_side: bool = False) -> dict[str, Any]:
         val, replicas = self.loaders.val, self.sync.evaluates_replicas
         result = self.evaluation.evaluate(epoch, self.raw_model, replicas, val, self.settle, on_the_side)
-        self.report_skipped(epoch)  # (the validation files it skipped)
+        report_skipped(self, epoch)  # (the validation files it skipped)
         return result
 
     def save_checkpoint(self, epoch: int) -> None:
