@@ -52,6 +52,7 @@ from engine.metrics import CONFIG_FILE, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULT_CASES = "killed_node_leaves or ring_of_four"
+GPU_TESTS = "gpu_defaults or trains_with_apex or slow_on_its_device or decodes_jpegs_on_the_gpu"  # (-k, test_gpu.py)
 STEP_TIMEOUT_S = 240  # each of the two training runs
 
 PLAIN = r"""
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--faults-timeout", type=float, default=300.0)
     p.add_argument(
         "--gpu-tests",
-        default="gpu_defaults or trains_with_apex or slow_on_its_device or decodes_jpegs_on_the_gpu",
+        default=GPU_TESTS,
         help="a -k expression of tests/test_gpu.py run beside the kill cases ('' for none)",
     )
     p.add_argument("--out", type=Path, help="where the JSON and the markdown go (default: the repository's)")

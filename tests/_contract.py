@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from conftest import CONF_DIR, plain_cfg
 
 OPTIONS = sorted(p.stem for p in (CONF_DIR / "sync").glob("*.yaml"))
@@ -56,6 +57,9 @@ def _id(case: tuple) -> str:
 
 
 IDS = [_id(c) for c in CASES]
+# Run in make test-full only, in a launch of their own (make test: relaxed sync around each option with its defaults
+# and each variant alone; a wrapper hands its inner option's state through as it does for the defaults).
+FULL_CASES = [(w, o, v) for w, o, v in CASES if w is not None and v]
 # 2 processes x 3 steps per epoch x 2 epochs; the resumed run starts from the checkpoint after epoch 1.
 COMMON = [
     "model=test_resnet", "data=synthetic", "data.num_samples=96", "data.num_val_samples=32", "data.batch_size=16",
@@ -73,16 +77,23 @@ def overrides(case: tuple) -> list[str]:
     return [*COMMON, f"sync={wrapper}", f"sync@sync.inner={option}", *own, *inner]
 
 
-def run_all(root: Path) -> Path:
-    """Every case run uninterrupted and resumed, in one launch (``_workers.uninterrupted_and_resumed``)."""
+def run_all(root: Path, full: bool = False) -> Path:
+    """Every case of make test (``full``: of make test-full only, :data:`FULL_CASES`) run uninterrupted and
+    resumed, in one launch (``_workers.uninterrupted_and_resumed``)."""
     from _workers import uninterrupted_and_resumed
 
     from engine.launch import launch
 
-    cases = {f"case{i}": plain_cfg(*overrides(case)) for i, case in enumerate(CASES)}
+    chosen = [c for c in CASES if (c in FULL_CASES) == full]
+    cases = {case_dir(root, case).name: plain_cfg(*overrides(case)) for case in chosen}
     (root / "cases.json").write_text(json.dumps({"cases": cases, "resume_step": RESUME_STEP}))
     launch(next(iter(cases.values())), str(root), entrypoint=uninterrupted_and_resumed)
     return root
+
+
+def params(cases: list[tuple], full_cases: list[tuple], ids: list[str]) -> list:
+    """``cases`` as pytest parameters, those of ``full_cases`` marked ``full``."""
+    return [pytest.param(c, id=i, marks=[pytest.mark.full] if c in full_cases else []) for c, i in zip(cases, ids)]
 
 
 def case_dir(root: Path, case: tuple) -> Path:
@@ -94,6 +105,13 @@ def case_dir(root: Path, case: tuple) -> Path:
 # Every option alone, and relaxed sync around the one that keeps replicas identical and the one that does not.
 JOIN_CASES = [(None, o, v) for o, v in ALONE] + [("relaxed", "allreduce", []), ("relaxed", "sgp", [])]
 JOIN_IDS = [_id(c) for c in JOIN_CASES]
+# In make test-full only, in a launch of their own (make test: the int8 variant, quantized with rounds in flight, and
+# DiLoCo alone; relaxed sync alone and around SGP; SGP's overlap).
+FULL_JOIN_CASES = [
+    (None, "diloco", ["quantize=fp16", "alpha=0.5"]),
+    ("relaxed", "allreduce", []),
+    (None, "crossover", ["overlap=true"]),
+]
 # 2 processes x 6 steps per epoch x 2 epochs; a third joins a few steps in: the rest of epoch 1 and epoch 2 are
 # sharded over 3 (what is left split over 3 ranks, whole batches of 16 each, then 4 steps).
 JOIN_OVERRIDES = ["data.num_samples=192", "trainer.on_failure=continue", "trainer.hang_timeout_s=30"]
@@ -108,14 +126,15 @@ def join_overrides(case: tuple) -> list[str]:
     return [*overrides(case), *JOIN_OVERRIDES]
 
 
-def run_joins(root: Path) -> Path:
-    """Every join case, joined mid-run and resumed from the admission's checkpoint at 3, in one launch of three
-    processes (``_workers.joined_and_resumed``)."""
+def run_joins(root: Path, full: bool = False) -> Path:
+    """Every join case of make test (``full``: of make test-full only, :data:`FULL_JOIN_CASES`), joined mid-run and
+    resumed from the admission's checkpoint at 3, in one launch of three processes (``_workers.joined_and_resumed``)."""
     from _workers import joined_and_resumed
 
     from engine.launch import launch
 
-    cases = {f"case{i}": plain_cfg(*join_overrides(case)) for i, case in enumerate(JOIN_CASES)}
+    chosen = [c for c in JOIN_CASES if (c in FULL_JOIN_CASES) == full]
+    cases = {f"case{JOIN_CASES.index(c)}": plain_cfg(*join_overrides(c)) for c in chosen}
     (root / "cases.json").write_text(json.dumps({"cases": cases}))
-    launch(plain_cfg(*join_overrides(JOIN_CASES[0]), "trainer.nproc=3"), str(root), entrypoint=joined_and_resumed)
+    launch(plain_cfg(*join_overrides(chosen[0]), "trainer.nproc=3"), str(root), entrypoint=joined_and_resumed)
     return root

@@ -144,6 +144,14 @@ def contract_runs(tmp_path_factory) -> Path:
     return run_all(tmp_path_factory.mktemp("contract"))
 
 
+@pytest.fixture(scope="session")
+def contract_runs_full(tmp_path_factory) -> Path:
+    """The contract cases of make test-full only (``_contract.FULL_CASES``), in a launch of their own."""
+    from _contract import run_all
+
+    return run_all(tmp_path_factory.mktemp("contract-full"), full=True)
+
+
 @pytest.fixture
 def digits_imagefolder(tmp_path: Path) -> Path:
     """A real ImageNet-layout folder: digits written as PNGs, 12 train and 4 val images per class."""

@@ -11,13 +11,9 @@ import pytest
 from bench import gpu
 
 
-@pytest.mark.parametrize(
-    "images",
-    # (~20 s more: train.py on the JPEG folder; make test: bench/decode's smoke below, the decode, its agreement and
-    # the loader, and train.py on a JPEG folder in test_images)
-    [0, pytest.param(48, marks=pytest.mark.full)],
-    ids=["synthetic", "and-real-jpegs"],
-)
+@pytest.mark.full  # ~30 s, ~50 s with the JPEGs (three processes that import torch); make test: the kill cases
+# it collects (below), bench/decode's smoke (the decode, its agreement, the loader), train.py on JPEGs (test_images)
+@pytest.mark.parametrize("images", [0, 48], ids=["synthetic", "and-real-jpegs"])
 def test_the_gpu_bench_runs_on_the_cpu_and_writes_its_results(tmp_path, images):
     result = gpu.main(["--smoke", "--images", str(images), "--out", str(tmp_path)])
     assert result["errors"] == {}, result["errors"]
@@ -44,6 +40,16 @@ def test_the_gpu_bench_runs_on_the_cpu_and_writes_its_results(tmp_path, images):
     assert len([c for c in cases if c.startswith("tests/test_gpu.py")]) == 5, cases
     assert result["recovery_s"] == []  # (collected, not run, on the CPU)
     assert "| ratio (ours / plain) |" in (tmp_path / "gpu.md").read_text()
+
+
+def test_the_cases_a_gpu_run_times_are_still_there(tmp_path):
+    """The NCCL kill cases and the GPU tests ``make bench-gpu`` runs, collected as its smoke collects them: a renamed
+    test fails here, not on the next GPU."""
+    faults = gpu.fault_recoveries(True, tmp_path / "faults", 120.0, gpu.GPU_TESTS, tmp_path / "log")
+    cases = faults["cases"]
+    assert faults["exit"] == 0, (tmp_path / "log").read_text()[-3000:]
+    assert len([c for c in cases if c.startswith("tests/test_faults.py")]) == 4, cases
+    assert len([c for c in cases if c.startswith("tests/test_gpu.py")]) == 5, cases
 
 
 def test_each_tests_outcome_is_read_from_pytests_lines_as_they_come():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _contract import CASES, IDS, LAST_STEP, RESUME_STEP, case_dir, overrides
+from _contract import CASES, FULL_CASES, IDS, LAST_STEP, RESUME_STEP, case_dir, overrides, params
 from conftest import plain_cfg, records
 from hydra.utils import get_class
 
@@ -51,9 +51,10 @@ def _load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_resume_ends_where_an_uninterrupted_run_ends(contract_runs, case):
-    full, resumed = case_dir(contract_runs, case) / "full", case_dir(contract_runs, case) / "resumed"
+@pytest.mark.parametrize("case", params(CASES, FULL_CASES, IDS))
+def test_resume_ends_where_an_uninterrupted_run_ends(request, case):
+    runs = request.getfixturevalue("contract_runs_full" if case in FULL_CASES else "contract_runs")
+    full, resumed = case_dir(runs, case) / "full", case_dir(runs, case) / "resumed"
     full_metrics = read_metrics(str(full / "metrics.jsonl"))
     resumed_metrics = read_metrics(str(resumed / "metrics.jsonl"))
     assert [r["event"] for r in records(resumed_metrics, "event")].count("resume") == 1

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _contract import JOIN_CASES, JOIN_IDS, join_last_step, run_joins
+from _contract import FULL_JOIN_CASES, JOIN_CASES, JOIN_IDS, join_last_step, params, run_joins
 from conftest import FAST, ROOT, node_environ, records, start_processes
 from test_contract import _assert_same, _load
 from test_faults import cli, env, finish, start_nodes, tail, wait_for_train_steps
@@ -30,9 +30,15 @@ def join_runs(tmp_path_factory) -> Path:
     return run_joins(tmp_path_factory.mktemp("joins"))
 
 
-@pytest.mark.parametrize("case", JOIN_CASES, ids=JOIN_IDS)
-def test_a_join_ends_where_a_resume_at_the_new_size_ends(join_runs, case):
-    where = join_runs / f"case{JOIN_CASES.index(case)}"
+@pytest.fixture(scope="module")
+def join_runs_full(tmp_path_factory) -> Path:
+    return run_joins(tmp_path_factory.mktemp("joins-full"), full=True)
+
+
+@pytest.mark.parametrize("case", params(JOIN_CASES, FULL_JOIN_CASES, JOIN_IDS))
+def test_a_join_ends_where_a_resume_at_the_new_size_ends(request, case):
+    runs = request.getfixturevalue("join_runs_full" if case in FULL_JOIN_CASES else "join_runs")
+    where = runs / f"case{JOIN_CASES.index(case)}"
     joined, resumed = where / "joined", where / "resumed"
     joined_metrics, resumed_metrics = (
         read_metrics(str(joined / "metrics.jsonl")),
