@@ -47,8 +47,9 @@ def summarize(metrics: list[dict]) -> dict:
 
 
 # ``--compare``'s runs, as bench/tta runs them: streaming DiLoCo's schedule with each way of sending its
-# pseudo-gradients (int8, fp4, SparseLoCo with the outer Nesterov step and with plain averaging)
-COMPARE_RUNS = {key: OPTIONS[key][1] for key in ("allreduce", "streaming", "streaming_fp4", "sparse", "sparse_avg")}
+# pseudo-gradients (int8, fp4, SparseLoCo at 2 % and 5 % with the outer Nesterov step and with plain averaging)
+COMPARE = ("allreduce", "streaming", "streaming_fp4", "sparse", "sparse_avg", "sparse5", "sparse5_avg")
+COMPARE_RUNS = {key: OPTIONS[key][1] for key in COMPARE}
 
 SCOPE_RUNS = {
     "DiLoCo H=16": ["sync=diloco", "sync.inner_steps=16"],

@@ -166,6 +166,9 @@ OPTIONS: dict[str, tuple[str, list[str]]] = {
     "streaming_avg": ("streaming DiLoCo, averaging", [*ALGORITHMS["streaming"][1], *PLAIN_OUTER]),
     # SparseLoCo's own variant: no outer momentum (its error-feedback buffer carries what momentum would)
     "sparse_avg": ("SparseLoCo 2 %, averaging", [*ALGORITHMS["sparse"][1], *PLAIN_OUTER]),
+    # The density the docs recommend on CNN jobs (docs/benchmarks/diloco.md's sweep), with and without the outer step
+    "sparse5": ("SparseLoCo 5 %", [*ALGORITHMS["sparse"][1], "sync.density=0.05"]),
+    "sparse5_avg": ("SparseLoCo 5 %, averaging", [*ALGORITHMS["sparse"][1], "sync.density=0.05", *PLAIN_OUTER]),
     # Rounds that close on a quorum: streaming DiLoCo's settings (the first job's), and DiLoCo H=16 with plain
     # averaging (the second job's DiLoCo that reaches its target).
     "decoupled": ("decoupled DiLoCo", ["sync=decoupled"]),
