@@ -112,6 +112,7 @@ FULL_JOIN_CASES = [
     ("relaxed", "allreduce", []),
     (None, "crossover", ["overlap=true"]),
 ]
+assert all(c in JOIN_CASES for c in FULL_JOIN_CASES), "a full-only join case that is no join case"
 # 2 processes x 6 steps per epoch x 2 epochs; a third joins a few steps in: the rest of epoch 1 and epoch 2 are
 # sharded over 3 (what is left split over 3 ranks, whole batches of 16 each, then 4 steps).
 JOIN_OVERRIDES = ["data.num_samples=192", "trainer.on_failure=continue", "trainer.hang_timeout_s=30"]

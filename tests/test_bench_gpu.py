@@ -35,9 +35,7 @@ def test_the_gpu_bench_runs_on_the_cpu_and_writes_its_results(tmp_path, images):
     # the kill cases a GPU run times (allreduce, DGC and local SGD losing a node of three, the ring of four) and the
     # GPU tests beside them (the defaults, apex O1 and O2 under relaxed sync, a GPU straggler evicted, train.py decoding
     # JPEGs on the GPU)
-    cases = result["faults"]["cases"]
-    assert len([c for c in cases if c.startswith("tests/test_faults.py")]) == 4, cases
-    assert len([c for c in cases if c.startswith("tests/test_gpu.py")]) == 5, cases
+    assert_the_timed_cases(result["faults"]["cases"])
     assert result["recovery_s"] == []  # (collected, not run, on the CPU)
     assert "| ratio (ours / plain) |" in (tmp_path / "gpu.md").read_text()
 
@@ -46,8 +44,11 @@ def test_the_cases_a_gpu_run_times_are_still_there(tmp_path):
     """The NCCL kill cases and the GPU tests ``make bench-gpu`` runs, collected as its smoke collects them: a renamed
     test fails here, not on the next GPU."""
     faults = gpu.fault_recoveries(True, tmp_path / "faults", 120.0, gpu.GPU_TESTS, tmp_path / "log")
-    cases = faults["cases"]
     assert faults["exit"] == 0, (tmp_path / "log").read_text()[-3000:]
+    assert_the_timed_cases(faults["cases"])
+
+
+def assert_the_timed_cases(cases: list[str]) -> None:
     assert len([c for c in cases if c.startswith("tests/test_faults.py")]) == 4, cases
     assert len([c for c in cases if c.startswith("tests/test_gpu.py")]) == 5, cases
 
