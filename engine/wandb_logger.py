@@ -4,6 +4,7 @@ under ``<kind>/<key>`` names (``train/loss``, ``comm/bytes_sent``, ...), and the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -111,6 +112,12 @@ class WandbLogger(ExperimentLogger):
                 file=sys.stderr,
                 flush=True,
             )
+            import wandb
+
+            # Its connection to the service is closed here, as W&B's exit function would close it at the process's
+            # end, failing the same way there, with a traceback under the run's last lines.
+            with contextlib.suppress(Exception):
+                wandb.teardown()
 
     def describe(self):
         if self.run is None:
