@@ -16,7 +16,6 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from engine.config import check_override_keys, prepare
 from errors import ConfigError
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
@@ -34,6 +33,7 @@ def main(cfg: DictConfig) -> float | None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from engine.config import prepare
     from engine.launch import launch
     from engine.launchers import slurm_task
 
@@ -62,6 +62,8 @@ def main(cfg: DictConfig) -> float | None:
 def worker_config(argv: list[str]) -> dict[str, Any]:
     """Under torchrun/Slurm: the same config as ``main`` composes, without Hydra's per-process output dirs."""
     from hydra import compose, initialize_config_dir
+
+    from engine.config import check_override_keys, prepare
 
     try:
         check_override_keys(argv, CONF_DIR)
@@ -157,12 +159,16 @@ if __name__ == "__main__":
     elif under_external_launcher():
         worker_main(sys.argv[1:])
     else:
+        from engine.launch import start_worker_server
+
+        # First: the server imports torch and the engine for the workers while this process imports its own and
+        # validates (a config error stops the server at once).
+        start_worker_server()
+        from engine.config import check_override_keys
+
         try:
             check_override_keys(sys.argv[1:], CONF_DIR)
         except ConfigError as error:
             fail(error)
-        from engine.launch import start_worker_server
-
-        start_worker_server()  # imports torch and the engine for the workers while this process validates
         main()
     end_now()  # (an error's way out, SystemExit or an exception, ends as Python does)
