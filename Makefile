@@ -30,7 +30,7 @@ peers: $(PEERS_STAMP) ## install the peers extra (torchft) into .venv: what benc
 train: $(STAMP) ## train ResNet-50 on digits with 2 processes (W&B offline); extra overrides: ARGS="..."
 	$(PY) train.py $(ARGS)
 
-test: $(STAMP) ## run the test suite (CPU, gloo; what CI runs, ~15 min on 2 cores, 12-17 by the load)
+test: $(STAMP) ## run the test suite (CPU, gloo; what CI runs, ~15 min on 2 cores, 12-19 by the load)
 	$(PY) -m pytest -q -m "not full" --durations=30 $(ARGS)
 
 test-full: $(STAMP) ## the test suite plus the slow tests marked full (each names its cover in make test)
